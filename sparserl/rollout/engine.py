@@ -1,0 +1,86 @@
+"""The rollout engine protocol and a factory by name.
+
+An engine turns `GenerationRequest`s into `Generation`s, takes fresh weights from the actor, and can give
+its memory back while the actor trains. Engines agree only on `rollout/types.py`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
+
+import torch
+
+from sparserl.rollout.types import Generation, GenerationRequest
+
+
+@dataclass
+class EngineStats:
+    """Counters of the engine since the last `reset_stats()`; they become the trainer's `kv/*` and `perf/*`."""
+
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    generate_s: float = 0.0
+    forward_steps: int = 0
+    peak_slots: int = 0  # high-water mark of the slot pool (slots per layer)
+    pool_slots: int = 0
+    peak_running: int = 0  # most sequences decoding at once
+    preemptions: int = 0
+    compressions: int = 0
+    compress_s: float = 0.0
+    kv_bytes_per_slot: int = 0  # all layers, K and V
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def peak_kv_bytes(self) -> int:
+        return self.peak_slots * self.kv_bytes_per_slot
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.new_tokens / self.generate_s if self.generate_s > 0 else 0.0
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    def generate(self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None) -> list[Generation]:
+        """Complete every request `params.n` times; returns generations ordered by (request, sample index).
+        `progress(k)` is called as k more sequences finish."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full (unsharded) tensors by parameter name, in place."""
+
+    def sleep(self) -> None:
+        """Free the KV pool (and whatever else the backend can) until `wake()`."""
+
+    def wake(self) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def reset_stats(self) -> None: ...
+
+
+_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
+
+
+def register_engine(name: str) -> Callable[[Callable[..., RolloutEngine]], Callable[..., RolloutEngine]]:
+    def deco(builder: Callable[..., RolloutEngine]) -> Callable[..., RolloutEngine]:
+        _ENGINES[name] = builder
+        return builder
+
+    return deco
+
+
+def _load_builtin(name: str) -> None:
+    # Backends import lazily so that, e.g., the CPU install never imports sglang.
+    if name == "native":
+        import sparserl.rollout.native.engine  # noqa: F401
+    elif name == "sglang":
+        import sparserl.rollout.sglang.engine  # noqa: F401
+
+
+def build_engine(name: str, **kwargs: Any) -> RolloutEngine:
+    """Build the engine registered as `name` (`native`, `sglang`, or one registered by the user)."""
+    if name not in _ENGINES:
+        _load_builtin(name)
+    if name not in _ENGINES:
+        raise ValueError(f"rollout.engine={name!r} is not a known engine; choose one of {sorted(set(_ENGINES) | {'native', 'sglang'})}")
+    return _ENGINES[name](**kwargs)

@@ -1,0 +1,151 @@
+"""The attention function the native engine and the actor register with transformers.
+
+The Hugging Face model runs its own modules (projections, RoPE, MLPs, norms) on one packed `(1, T)` batch;
+only the attention core is ours. It reads what it needs from one `ForwardContext`, set for the duration
+of a forward by `forward_context(...)` and reset afterwards (the only module-level state here):
+
+- with a KV cache (engine): the new keys/values are written into the pool at `write_slots`, then each
+  sequence's queries attend over its slots: decode sequences batched in one padded SDPA call, prefill
+  sequences one call each (causal over their new tokens, full over what was cached before).
+- without a cache (actor training): each packed sequence attends causally over itself.
+
+Left out on purpose: flash-attn / paged kernels (SDPA covers CPU and CUDA with one code path), sliding-window
+and ALiBi models.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "sparserl"
+
+
+@dataclass
+class Span:
+    """One sequence's run of new tokens in the packed batch: query rows [start, end)."""
+
+    start: int
+    end: int
+    slots: torch.Tensor | None = None  # (L,) cache entries to attend over, the new tokens last; None = no cache
+    num_cached: int = 0  # entries before the new tokens
+
+
+@dataclass
+class ForwardContext:
+    spans: list[Span] = field(default_factory=list)  # sequences computed one by one
+    # Batched single-token decode: query rows [0, n_decode) attend over `decode_slots` where `decode_mask`.
+    n_decode: int = 0
+    decode_slots: torch.Tensor | None = None  # (Bd, Lmax) long
+    decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, Lmax) bool
+    write_slots: torch.Tensor | None = None  # (T,) long
+    k_cache: list[torch.Tensor] | None = None  # per layer (S, H_kv, D)
+    v_cache: list[torch.Tensor] | None = None
+    # Called as on_queries(layer_idx, query (T, H, D)) so compression can keep recent queries.
+    on_queries: Callable[[int, torch.Tensor], None] | None = None
+
+
+_CTX: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _CTX
+    assert _CTX is None, "forward contexts do not nest"
+    _CTX = ctx
+    try:
+        yield ctx
+    finally:
+        _CTX = None
+
+
+def _sdpa(q, k, v, mask=None, causal=False, scale=None):  # (B, H, Tq, D), (B, Hkv, Tk, D)
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+
+def packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # (1, H, T, D) post-RoPE
+    key: torch.Tensor,  # (1, H_kv, T, D) post-RoPE
+    value: torch.Tensor,  # (1, H_kv, T, D)
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    ctx = _CTX
+    if ctx is None:
+        # Outside the engine/actor the model behaves like a stock SDPA model (e.g. `generate` in a notebook).
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    layer = module.layer_idx
+    q = query[0].transpose(0, 1)  # (T, H, D)
+    k_new = key[0].transpose(0, 1)  # (T, H_kv, D)
+    v_new = value[0].transpose(0, 1)
+    if ctx.on_queries is not None:
+        ctx.on_queries(layer, q)
+    out = torch.empty_like(q)  # (T, H, D)
+    if ctx.k_cache is not None:
+        k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
+        k_cache[ctx.write_slots] = k_new.to(k_cache.dtype)
+        v_cache[ctx.write_slots] = v_new.to(v_cache.dtype)
+        if ctx.n_decode:
+            qd = q[: ctx.n_decode, :, None, :]  # (Bd, H, 1, D)
+            kd = k_cache[ctx.decode_slots].transpose(1, 2)  # (Bd, H_kv, Lmax, D)
+            vd = v_cache[ctx.decode_slots].transpose(1, 2)
+            out[: ctx.n_decode] = _sdpa(qd, kd, vd, mask=ctx.decode_mask, scale=scaling)[:, :, 0]
+    for span in ctx.spans:
+        qs = q[span.start : span.end].transpose(0, 1)[None]  # (1, H, n, D)
+        if span.slots is None:
+            ks = k_new[span.start : span.end].transpose(0, 1)[None]
+            vs = v_new[span.start : span.end].transpose(0, 1)[None]
+        else:
+            ks = k_cache[span.slots].transpose(0, 1)[None]  # (1, H_kv, L, D)
+            vs = v_cache[span.slots].transpose(0, 1)[None]
+        n = span.end - span.start
+        if span.num_cached == 0:
+            o = _sdpa(qs, ks, vs, causal=True, scale=scaling)
+        else:
+            # Everything cached before is visible; the new tokens see each other causally.
+            L = ks.shape[2]
+            rows = torch.arange(n, device=q.device)[:, None] + span.num_cached
+            mask = torch.arange(L, device=q.device)[None, :] <= rows  # (n, L)
+            o = _sdpa(qs, ks, vs, mask=mask, scale=scaling)
+        out[span.start : span.end] = o[0].transpose(0, 1)
+    return out[None], None  # (1, T, H, D)
+
+
+def _mask(*args, **kwargs):
+    if _CTX is not None:
+        return None  # masks are per span, built inside `packed_attention`
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+_registered = False
+
+
+def register() -> str:
+    """Register the attention (and a no-op mask) with transformers; returns the implementation name."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface, AttentionMaskInterface
+
+        AttentionInterface.register(ATTN_NAME, packed_attention)
+        AttentionMaskInterface.register(ATTN_NAME, _mask)
+        _registered = True
+    return ATTN_NAME
+
+
+def use_packed_attention(model: torch.nn.Module) -> None:
+    name = register()
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # pragma: no cover - older transformers
+        model.config._attn_implementation = name

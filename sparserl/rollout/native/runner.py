@@ -1,0 +1,136 @@
+"""The model runner: owns the KV pool tensors and turns a `ScheduledBatch` into one packed forward.
+
+Only this file of the native engine touches model tensors. Decode tokens go first in the packed batch (one
+row each, attended in one padded SDPA call), prefill spans follow. The LM head runs only on the rows that
+are sampled (`logits_to_keep`), never on a whole prompt.
+Left out on purpose: CUDA graphs and torch.compile (shapes change every step), tensor parallel inference.
+"""
+from __future__ import annotations
+
+import torch
+
+from sparserl.rollout.native.attention import ForwardContext, Span, forward_context, use_packed_attention
+from sparserl.rollout.native.scheduler import ScheduledBatch
+from sparserl.rollout.native.sequence import Sequence
+
+
+def kv_geometry(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a Hugging Face decoder config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text.num_hidden_layers, kv_heads, head_dim
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_slots: int) -> None:
+        self.model = model.eval()
+        use_packed_attention(self.model)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(model.config)
+        self.num_slots = num_slots
+        self.k_cache: list[torch.Tensor] | None = None
+        self.v_cache: list[torch.Tensor] | None = None
+
+    @property
+    def bytes_per_slot(self) -> int:
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elt
+
+    def allocate(self) -> None:
+        if self.k_cache is None:
+            shape = (self.num_slots, self.num_kv_heads, self.head_dim)
+            self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+
+    def release(self) -> None:
+        self.k_cache = self.v_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def build_context(self, batch: ScheduledBatch, on_queries=None) -> tuple[ForwardContext, list[int], list[int], list[int]]:
+        """Returns the context plus the packed input ids, positions and the rows to compute logits for."""
+        ids: list[int] = []
+        pos: list[int] = []
+        write: list[int] = []
+        keep: list[int] = []
+        for seq in batch.decode:
+            ids.append(seq.tokens[seq.num_cached])
+            pos.append(seq.num_cached)
+            write.append(seq.slots[-1])
+            keep.append(len(ids) - 1)
+        spans = []
+        for seq in batch.prefill:
+            new = seq.pending
+            start = len(ids)
+            ids.extend(new)
+            pos.extend(range(seq.num_cached, seq.num_cached + len(new)))
+            write.extend(seq.slots[-len(new) :])
+            keep.append(len(ids) - 1)
+            spans.append(Span(start, len(ids), self._tensor(seq.slots), len(seq.slots) - len(new)))
+        ctx = ForwardContext(
+            spans=spans,
+            n_decode=len(batch.decode),
+            write_slots=self._tensor(write),
+            k_cache=self.k_cache,
+            v_cache=self.v_cache,
+            on_queries=on_queries,
+        )
+        if batch.decode:
+            ctx.decode_slots, ctx.decode_mask = self._decode_index([s.slots for s in batch.decode])
+        return ctx, ids, pos, keep
+
+    def _decode_index(self, slot_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = self._tensor([len(s) for s in slot_lists])
+        lmax = int(lengths.max())
+        flat = self._tensor([x for s in slot_lists for x in s])
+        mask = torch.arange(lmax, device=self.device)[None, :] < lengths[:, None]  # (Bd, Lmax)
+        index = torch.zeros(mask.shape, dtype=torch.long, device=self.device)
+        index[mask] = flat
+        return index, mask[:, None, None, :]
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch, on_queries=None) -> torch.Tensor:
+        """Runs the batch; returns float32 logits (len(decode) + len(prefill), V) in that order."""
+        ctx, ids, pos, keep = self.build_context(batch, on_queries)
+        with forward_context(ctx):
+            out = self.model(
+                input_ids=self._tensor(ids)[None],
+                position_ids=self._tensor(pos)[None],
+                use_cache=False,
+                logits_to_keep=self._tensor(keep),
+            )
+        logits = out.logits[0].float()  # (rows, V)
+        self.copy_forks(batch.forks)
+        return logits
+
+    def copy_forks(self, forks: list[Sequence]) -> None:
+        """Siblings of a prompt copy the prefill their leader just wrote instead of recomputing it."""
+        if not forks:
+            return
+        src = self._tensor([x for s in forks for x in s.fork_of.slots[: len(s.prompt)]])
+        dst = self._tensor([x for s in forks for x in s.slots])
+        for k, v in zip(self.k_cache, self.v_cache):
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors) -> int:
+        """Copy full tensors into the model's parameters and buffers by name; returns how many were loaded."""
+        # state_dict(keep_vars=True) lists tied weights under every name they have (lm_head / embeddings).
+        params = self.model.state_dict(keep_vars=True)
+        n = 0
+        for name, tensor in named_tensors:
+            target = params.get(name)
+            if target is None:
+                raise KeyError(f"update_weights: the rollout model has no parameter named {name!r}")
+            if target.shape != tensor.shape:
+                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, the rollout model expects {tuple(target.shape)}")
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype), non_blocking=True)
+            n += 1
+        return n

@@ -1,0 +1,111 @@
+"""Continuous batching: decide, each step, which sequences run and where their new tokens go.
+
+Every step decodes one token for each running sequence and, in the same forward, prefills newly admitted
+ones. A sequence is admitted while the pool can honour its worst-case need (`Sequence.reserve`: prompt +
+max_new_tokens dense, or the compression bound), so a running sequence never waits for a slot and nothing
+is preempted. Siblings of one prompt (`n` samples) are admitted together and copy the first one's prefill.
+
+Left out on purpose: preemption by recompute (reservation makes it unnecessary), chunked prefill of one
+prompt over several steps, priorities. Plain Python: testable without a model.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from sparserl.rollout.native.sequence import Sequence, Status
+from sparserl.rollout.native.slot_pool import SlotPool
+
+
+@dataclass
+class ScheduledBatch:
+    decode: list[Sequence] = field(default_factory=list)  # one new token each
+    prefill: list[Sequence] = field(default_factory=list)  # all pending tokens each
+    forks: list[Sequence] = field(default_factory=list)  # copy their `fork_of`'s prefill after the forward
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(len(s.pending) for s in self.prefill)
+
+    def __len__(self) -> int:
+        return len(self.decode) + len(self.prefill) + len(self.forks)
+
+
+class Scheduler:
+    def __init__(self, pool: SlotPool, max_num_seqs: int = 256, max_batch_tokens: int = 8192) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.reserved = 0  # sum of `reserve` over running sequences
+        self.step_index = 0
+        self.peak_running = 0
+
+    def add(self, seq: Sequence) -> None:
+        if seq.reserve > self.pool.num_slots:
+            # Checked again by the engine before any work starts; this guards direct users of the scheduler.
+            raise ValueError(f"sequence needs up to {seq.reserve} KV slots but the pool has {self.pool.num_slots}")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _fits(self, seq: Sequence, batch_tokens: int, prefill_tokens: int) -> bool:
+        return (
+            len(self.running) < self.max_num_seqs
+            and self.reserved + seq.reserve <= self.pool.num_slots
+            and (batch_tokens + prefill_tokens <= self.max_batch_tokens or batch_tokens == 0)
+        )
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch(decode=[s for s in self.running])
+        tokens = len(batch.decode)
+        leaders: dict[int, Sequence] = {}  # request index -> the sequence prefilling its prompt in this step
+        while self.waiting:
+            seq = self.waiting[0]
+            leader = leaders.get(seq.request_index)
+            fork = leader is not None and leader.prompt == seq.prompt and not seq.output
+            cost = 0 if fork else len(seq.pending)
+            if not self._fits(seq, tokens, cost):
+                break
+            self.waiting.popleft()
+            self._admit(seq)
+            if fork:
+                seq.fork_of = leader
+                batch.forks.append(seq)
+            else:
+                batch.prefill.append(seq)
+                leaders.setdefault(seq.request_index, seq)
+                tokens += cost
+        for seq in batch.decode + batch.prefill:
+            self._grow(seq, len(seq.pending))
+        for seq in batch.forks:
+            self._grow(seq, len(seq.prompt))
+        self.step_index += 1
+        self.peak_running = max(self.peak_running, len(self.running))
+        return batch
+
+    def _admit(self, seq: Sequence) -> None:
+        seq.status = Status.RUNNING
+        seq.admitted_step = self.step_index
+        self.running.append(seq)
+        self.reserved += seq.reserve
+
+    def _grow(self, seq: Sequence, n: int) -> None:
+        seq.slots.extend(self.pool.allocate(n))
+        seq.peak_slots = max(seq.peak_slots, len(seq.slots))
+        assert len(seq.slots) <= seq.reserve, f"sequence {seq.seq_id} outgrew its reservation"
+
+    def release_slots(self, seq: Sequence, slots: list[int]) -> None:
+        """Give back slots a compression no longer needs (the sequence keeps its reservation)."""
+        self.pool.free(slots)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        self.reserved -= seq.reserve
+        seq.retained_at_finish = len(seq.slots)
+        self.pool.free(seq.slots)
+        seq.slots = []

@@ -1,0 +1,53 @@
+"""The state of one sequence inside the native engine (plain Python, no tensors)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from sparserl.rollout.types import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_index: int
+    sample_index: int
+    prompt: list[int]
+    params: SamplingParams
+    reserve: int  # worst-case slots this sequence can ever hold; admission reserves it
+    status: Status = Status.WAITING
+    output: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # cache entries it holds, in cache order (all layers alike)
+    num_cached: int = 0  # logical tokens whose K/V went through the cache (compression does not lower it)
+    fork_of: "Sequence | None" = None  # sibling whose prefill this one copies instead of recomputing
+    finish_reason: str | None = None
+    peak_slots: int = 0
+    retained_at_finish: int = 0  # slots held when it finished
+    compressions: int = 0
+    compress_s: float = 0.0
+    admitted_step: int = -1
+    # Per-request generator state lives in the sampler, keyed by seq_id.
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def pending(self) -> list[int]:
+        """Tokens that must go through the model before the next sample: the prompt (prefill) or the last sample."""
+        return self.tokens[self.num_cached:]
+
+    @property
+    def next_position(self) -> int:
+        return self.num_cached

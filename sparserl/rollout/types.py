@@ -1,0 +1,98 @@
+"""Types that every rollout engine agrees on.
+
+Engines take `GenerationRequest`s and return `Generation`s; nothing else crosses the engine boundary.
+Left out on purpose: tokenization (the worker owns it) and multi-turn state (the env loop owns it).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. `temperature == 0` means greedy.
+
+    `logp_sparse` returned for a sampled token is its log-probability under the *processed* distribution
+    that drew it: logits / temperature, restricted to the top-k and top-p kept set, renormalized. For greedy
+    decoding (a point mass) the engine reports the temperature-1 log-probability instead, which is what a
+    dense recompute at temperature 1 would compare against.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    n: int = 1
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Normalise list inputs (from configs or users) to tuples so the params stay hashable.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        stops = self.stop_strings
+        if isinstance(stops, str):
+            stops = (stops,)
+        object.__setattr__(self, "stop_strings", tuple(stops))
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ValueError(f"SamplingParams.max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be a positive int, got {self.n!r}")
+        for s in self.stop_strings:
+            if not isinstance(s, str) or not s:
+                raise TypeError(f"SamplingParams.stop_strings must hold non-empty str, got {s!r} ({type(s).__name__})")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise TypeError(f"SamplingParams.stop_token_ids must hold non-negative ints, got {t!r}")
+
+    def replace(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt to complete `params.n` times. `request_id` is echoed back in every `Generation`."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | int = 0
+
+
+@dataclass
+class KVStats:
+    """What the KV cache did for one generated sequence."""
+
+    peak_slots: int = 0  # most slots this sequence held at once (per layer)
+    retained_tokens: int = 0  # slots held at the end (per layer)
+    total_tokens: int = 0  # prompt + response length: what a dense cache would hold
+    compressions: int = 0
+    compress_s: float = 0.0
+    preemptions: int = 0
+
+
+@dataclass
+class Generation:
+    """One sampled completion. `logp_sparse[i]` is the sampler's log-prob of `token_ids[i]`."""
+
+    request_id: str | int
+    sample_index: int  # 0..n-1 within its request
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logp_sparse: list[float]
+    finish_reason: FinishReason
+    text: str | None = None
+    kv: KVStats = field(default_factory=KVStats)
