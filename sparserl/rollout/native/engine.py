@@ -14,7 +14,9 @@ from typing import Callable, Iterable
 
 import torch
 
+from sparserl.kv import KVPolicyConfig
 from sparserl.rollout.engine import EngineStats, register_engine
+from sparserl.rollout.native.compressor import Compressor
 from sparserl.rollout.native.runner import ModelRunner
 from sparserl.rollout.native.sampler import Sampler
 from sparserl.rollout.native.scheduler import ScheduledBatch, Scheduler
@@ -45,7 +47,7 @@ class NativeEngine:
         max_batch_tokens: int = 8192,
         seed: int = 0,
         eos_token_ids: Iterable[int] | None = None,
-        compression=None,
+        kv: KVPolicyConfig | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, num_slots)
@@ -54,7 +56,9 @@ class NativeEngine:
         self.max_batch_tokens = max_batch_tokens
         self.seed = seed
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _default_eos(model, tokenizer))
-        self.compression = compression  # a `Compressor` (see native/compressor.py) or None for a dense cache
+        self.kv = kv or KVPolicyConfig()
+        # None keeps a dense cache; otherwise sequences are compressed while they decode.
+        self.compression = None if self.kv.algorithm == "none" else Compressor(self.kv, self.runner, max_num_seqs, tokenizer)
         self._stats = EngineStats(pool_slots=num_slots, kv_bytes_per_slot=self.runner.bytes_per_slot)
         self._awake = False
         self._next_seq_id = 0
@@ -68,6 +72,8 @@ class NativeEngine:
 
     def sleep(self) -> None:
         self.runner.release()
+        if self.compression is not None:
+            self.compression.release()
         self._awake = False
 
     def update_weights(self, named_tensors) -> None:
@@ -80,6 +86,7 @@ class NativeEngine:
         self._stats = EngineStats(pool_slots=self.num_slots, kv_bytes_per_slot=self.runner.bytes_per_slot)
 
     # ----------------------------------------------------------------- generate
+    @torch.inference_mode()
     def generate(self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None) -> list[Generation]:
         if not self._awake:
             raise RuntimeError("the native engine is asleep; call wake() before generate()")
@@ -152,7 +159,7 @@ class NativeEngine:
                     self.compression.forget(seq)
                 finished += 1
         if self.compression is not None:
-            self.compression.after_step([s for s in sampled if s.finish_reason is None], scheduler, self.runner)
+            self.compression.after_step(batch, [s for s in sampled if s.finish_reason is None], scheduler)
         self._stats.peak_running = max(self._stats.peak_running, len(scheduler.running) + finished)
         if progress is not None and finished:
             progress(finished)

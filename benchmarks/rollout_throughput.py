@@ -1,0 +1,84 @@
+"""New tokens/s of the native engine vs transformers `generate` (static batch), same model/prompts/lengths.
+
+    python benchmarks/rollout_throughput.py --batch 16 64 --new-tokens 128
+
+Both sample at temperature 1 and ignore EOS, so every sequence produces exactly `--new-tokens` tokens and
+the two engines do the same useful work. The `eos` rows let sequences stop at EOS (capped at the same
+length): there continuous batching also skips the finished rows that a static batch keeps computing.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import gsm8k_prompts, machine, print_table  # noqa: E402
+from sparserl.actor.hf import load_model, load_tokenizer  # noqa: E402
+from sparserl.rollout.native.engine import NativeEngine  # noqa: E402
+from sparserl.rollout.types import GenerationRequest, SamplingParams  # noqa: E402
+
+
+def hf_generate(model, tokenizer, prompts, new_tokens, ignore_eos):
+    tokenizer.padding_side = "left"
+    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**batch, max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                             min_new_tokens=new_tokens if ignore_eos else 0, pad_token_id=tokenizer.pad_token_id)
+    dt = time.perf_counter() - t0
+    gen = out[:, batch["input_ids"].shape[1]:]
+    if ignore_eos:
+        n = gen.numel()
+    else:  # count tokens up to and including the first EOS
+        is_eos = gen == tokenizer.eos_token_id
+        first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, torch.full((gen.shape[0],), gen.shape[1]))
+        n = int(first.sum())
+    return n, dt
+
+
+def native_generate(engine, prompts, new_tokens, ignore_eos):
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=ignore_eos, seed=0)
+    t0 = time.perf_counter()
+    gens = engine.generate([GenerationRequest(p, params, i) for i, p in enumerate(prompts)])
+    return sum(len(g.token_ids) for g in gens), time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--modes", nargs="+", default=["fixed"], choices=["fixed", "eos"])
+    ap.add_argument("--repeats", type=int, default=1)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model, args.dtype)
+    engine = NativeEngine(load_model(args.model, args.dtype), tokenizer, num_slots=max(args.batch) * 512)
+    print(f"machine: {machine()}\nmodel: {args.model} ({args.dtype}), {args.new_tokens} new tokens\n")
+    rows = []
+    native_generate(engine, gsm8k_prompts(tokenizer, 2), 4, True)  # warm-up
+    for mode in args.modes:
+        for b in args.batch:
+            prompts = gsm8k_prompts(tokenizer, b)
+            ignore = mode == "fixed"
+            best = {}
+            for _ in range(args.repeats):
+                for name, fn in (("hf", lambda: hf_generate(model, tokenizer, prompts, args.new_tokens, ignore)),
+                                 ("native", lambda: native_generate(engine, prompts, args.new_tokens, ignore))):
+                    n, dt = fn()
+                    best[name] = max(best.get(name, (0, 0.0)), (n / dt, n), key=lambda x: x[0])
+            rows.append([mode, b, best["hf"][1], f"{best['hf'][0]:.1f}", best["native"][1], f"{best['native'][0]:.1f}",
+                         f"{best['native'][0] / best['hf'][0]:.2f}x"])
+            print(rows[-1], flush=True)
+    print()
+    print_table(["mode", "batch", "hf tokens", "hf tok/s", "native tokens", "native tok/s", "native / hf"], rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""KV-compression core: the policy config, the policy registry, and the selection step every policy shares.
+
+A policy scores the cached entries of ONE request in ONE layer; `select_keep` turns those scores into the
+indices to keep. The caller (an engine) gathers keys/values at those indices and frees the rest.
+
+Conventions every function here relies on:
+- `keys` are post-RoPE and laid out per KV head in slot order; the last `min(window, L)` entries of every head
+  are the most recent tokens, oldest first. The entries before them ("candidates") may hold different tokens
+  per head; their true order is given by `positions`.
+- Scores are float32, higher = keep. `score_tokens` reports the window entries at their head's best candidate
+  score, so that normalizing a row (for shared sets) is not distorted by entries that are kept anyway.
+
+Left out on purpose: values (no built-in policy reads them), anything about slots, pools or engines,
+per-layer budgets (PyramidKV-style), and learned scorers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+DIVIDE_METHODS = ("step_length", "newline")
+SHARE_MODES = ("head", "layer", "all")
+
+# fn(cfg, keys (H_kv, L, D) f32, queries (H_q, W, D) f32, positions (H_kv, L) long) -> (H_kv, L - n_window) f32:
+# scores of the candidate entries only; the window is handled by `score_tokens` / `select_keep`.
+PolicyFn = Callable[["KVPolicyConfig", Tensor, Tensor, Tensor], Tensor]
+POLICIES: dict[str, PolicyFn] = {}
+
+
+def register_policy(name: str) -> Callable[[PolicyFn], PolicyFn]:
+    """Decorator adding a scoring function to `POLICIES` under `name` (see `PolicyFn` for the contract)."""
+
+    def add(fn: PolicyFn) -> PolicyFn:
+        if name == "none" or name in POLICIES:
+            raise ValueError(f"KV policy name {name!r} is already taken")
+        POLICIES[name] = fn
+        return fn
+
+    return add
+
+
+def _require(ok: bool, field: str, value: object, why: str) -> None:
+    if not ok:
+        raise ValueError(f"KVPolicyConfig.{field}={value!r} {why}")
+
+
+@dataclass(frozen=True)
+class KVPolicyConfig:
+    algorithm: str = "none"  # none | any name in POLICIES (rkv, snapkv, streaming built in)
+    budget: int = 512  # entries a request keeps after a compression, window included
+    window: int = 8  # last `window` cached tokens: always kept; their queries score the rest
+    divide_method: str = "step_length"  # step_length | newline
+    divide_length: int = 128
+    mix_lambda: float = 0.1  # rkv: score = lambda * importance - (1 - lambda) * redundancy
+    kernel: int = 7  # max-pool kernel over the token axis (odd, so pooling keeps the length)
+    sim_threshold: float = 0.5  # rkv: cosine similarity above which two keys count as near-duplicates
+    sinks: int = 4  # streaming: attention-sink tokens kept at the start
+    share: str = "head"  # head: per-KV-head sets | layer: one set per layer | all: one set per request
+    compress_prompt: bool = False  # may the prompt be compressed below its own length
+
+    def __post_init__(self) -> None:
+        valid = ("none", *sorted(POLICIES))
+        _require(self.algorithm in valid, "algorithm", self.algorithm,
+                 f"is not a known policy; valid: {', '.join(valid)}")
+        _require(isinstance(self.window, int) and self.window >= 1, "window", self.window, "must be an int >= 1")
+        _require(isinstance(self.budget, int) and self.budget > self.window, "budget", self.budget,
+                 f"must be an int > window ({self.window}): the window alone would fill it")
+        _require(self.divide_method in DIVIDE_METHODS, "divide_method", self.divide_method,
+                 f"is not valid; valid: {', '.join(DIVIDE_METHODS)}")
+        _require(isinstance(self.divide_length, int) and self.divide_length >= 1, "divide_length",
+                 self.divide_length, "must be an int >= 1")
+        _require(0.0 <= self.mix_lambda <= 1.0, "mix_lambda", self.mix_lambda, "must be in [0, 1]")
+        _require(isinstance(self.kernel, int) and self.kernel >= 1 and self.kernel % 2 == 1, "kernel", self.kernel,
+                 "must be an odd int >= 1 (an even kernel would shift the pooled scores by one token)")
+        _require(-1.0 <= self.sim_threshold <= 1.0, "sim_threshold", self.sim_threshold, "must be in [-1, 1]")
+        _require(isinstance(self.sinks, int) and self.sinks >= 0, "sinks", self.sinks, "must be an int >= 0")
+        if self.algorithm == "streaming":
+            _require(self.sinks <= self.budget - self.window, "sinks", self.sinks,
+                     f"must be <= budget - window ({self.budget - self.window}) so every sink fits")
+        _require(self.share in SHARE_MODES, "share", self.share, f"is not valid; valid: {', '.join(SHARE_MODES)}")
+        _require(isinstance(self.compress_prompt, bool), "compress_prompt", self.compress_prompt, "must be a bool")
+
+
+def window_len(cfg: KVPolicyConfig, n_cached: int) -> int:
+    return min(cfg.window, n_cached)
+
+
+def attention_logits(keys: Tensor, queries: Tensor) -> Tensor:
+    """q.k / sqrt(D) per KV group: keys (H_kv, L, D), queries (H_q, W, D) -> (H_kv, G, W, L), G = H_q // H_kv.
+
+    Query head h reads KV head h // G, the layout Hugging Face's `repeat_kv` assumes.
+    """
+    n_kv, _, dim = keys.shape
+    n_q, n_w, _ = queries.shape
+    grouped = queries.reshape(n_kv, n_q // n_kv, n_w, dim)
+    return grouped @ keys.transpose(-1, -2).unsqueeze(1) / math.sqrt(dim)
+
+
+def pool_by_position(scores: Tensor, positions: Tensor, kernel: int) -> Tensor:
+    """1-D max-pool (stride 1, same length) of (H, C) scores along each head's logical token order.
+
+    Slots need not be in token order, so each row is sorted by position, pooled, and scattered back.
+    """
+    if kernel == 1 or scores.shape[-1] == 0:
+        return scores
+    order = positions.argsort(dim=-1)  # (H, C)
+    ordered = scores.gather(-1, order)
+    pooled = F.max_pool1d(ordered.unsqueeze(0), kernel_size=kernel, stride=1, padding=kernel // 2).squeeze(0)
+    return torch.empty_like(scores).scatter_(-1, order, pooled)
+
+
+def normalize_rows(scores: Tensor) -> Tensor:
+    """Min-max scale each row to [0, 1] (a constant row -> 0), so heads and layers weigh equally when summed."""
+    low = scores.amin(dim=-1, keepdim=True)
+    span = scores.amax(dim=-1, keepdim=True) - low
+    return torch.where(span > 0, (scores - low) / span.clamp_min(torch.finfo(scores.dtype).tiny), 0.0)
+
+
+def score_tokens(cfg: KVPolicyConfig, keys: Tensor, queries: Tensor, positions: Tensor) -> Tensor:
+    """Scores (H_kv, L) float32, higher = keep, for one request in one layer.
+
+    keys (H_kv, L, D) any float dtype; queries (H_q, W, D) of the last W <= min(window, L) tokens, H_q a
+    multiple of H_kv; positions (H_kv, L) logical token positions. Window entries get the row's best candidate
+    score (`select_keep` keeps them regardless).
+    """
+    if cfg.algorithm == "none":
+        raise ValueError("KVPolicyConfig.algorithm='none' keeps the dense cache: there is nothing to score; "
+                         "the engine must not call score_tokens without a compression policy")
+    if keys.ndim != 3 or queries.ndim != 3 or queries.shape[-1] != keys.shape[-1]:
+        raise ValueError(f"expected keys (H_kv, L, D) and queries (H_q, W, D), got {tuple(keys.shape)} and "
+                         f"{tuple(queries.shape)}")
+    n_kv, n_cached, _ = keys.shape
+    n_win = window_len(cfg, n_cached)
+    if queries.shape[0] % n_kv != 0:
+        raise ValueError(f"query heads ({queries.shape[0]}) must be a multiple of KV heads ({n_kv})")
+    if not 1 <= queries.shape[1] <= n_win:
+        raise ValueError(f"expected 1..{n_win} window queries, got {queries.shape[1]}")
+    if tuple(positions.shape) != (n_kv, n_cached):
+        raise ValueError(f"positions must be (H_kv, L) = {(n_kv, n_cached)}, got {tuple(positions.shape)}")
+
+    candidates = POLICIES[cfg.algorithm](cfg, keys.float(), queries.float(), positions).float()
+    assert candidates.shape == (n_kv, n_cached - n_win), f"policy {cfg.algorithm!r} returned {tuple(candidates.shape)}"
+    if n_cached > n_win:
+        window_score = candidates.amax(dim=-1, keepdim=True)
+    else:
+        window_score = candidates.new_zeros(n_kv, 1)
+    return torch.cat([candidates, window_score.expand(n_kv, n_win)], dim=-1)
+
+
+def select_keep(scores: Tensor, n_keep: int, window: int, shared: bool) -> Tensor:
+    """Indices to keep, (H_kv, n_keep) long, each row sorted ascending and unique.
+
+    Per head: the last min(window, L) entries, plus the top (n_keep - window) other entries by score.
+    shared=True picks one set for all heads from the sum of min-max-normalized head scores (rows then equal);
+    it assumes the heads hold the same tokens in the same slots, which a shared set guarantees.
+    """
+    n_heads, n_cached = scores.shape
+    if n_keep >= n_cached:
+        return torch.arange(n_cached, device=scores.device).expand(n_heads, n_cached).clone()
+    n_win = min(window, n_cached)
+    if n_keep < n_win:
+        raise ValueError(f"n_keep={n_keep} is smaller than the observation window ({n_win}), which is always kept")
+    n_cand = n_cached - n_win
+    candidates = scores[:, :n_cand].float()
+    if shared:
+        candidates = normalize_rows(candidates).sum(dim=0, keepdim=True)  # (1, C)
+    top = candidates.topk(n_keep - n_win, dim=-1, sorted=False).indices.sort(dim=-1).values
+    recent = torch.arange(n_cand, n_cached, device=scores.device).expand(top.shape[0], n_win)
+    return torch.cat([top, recent], dim=-1).expand(n_heads, n_keep).contiguous()
+
+
+def reduce_scores(scores_list: list[Tensor]) -> Tensor:
+    """share=all: one score row set per request from every layer's (H_kv or 1, L) scores.
+
+    Each layer is min-max-normalized per row before the sum so no layer dominates by scale; the result has
+    the broadcast shape, (H_kv, L) or (1, L), and goes to `select_keep(..., shared=True)`.
+    """
+    if not scores_list:
+        raise ValueError("reduce_scores needs the scores of at least one layer")
+    total = normalize_rows(scores_list[0].float())
+    for scores in scores_list[1:]:
+        total = total + normalize_rows(scores.float())
+    return total

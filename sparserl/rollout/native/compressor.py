@@ -1,0 +1,160 @@
+"""KV compression inside the native engine: when to compress a sequence, and the physical compaction.
+
+The policies in `sparserl/kv` decide *which* entries to keep; this module feeds them (keys from the pool,
+the last `window` queries of each layer, logical positions), moves the kept entries into the sequence's
+first slots (per layer and per KV head: heads may keep different tokens, since keys carry RoPE already) and
+gives the rest back to the pool. New tokens keep their logical positions; only slots are renumbered.
+
+Queries are captured in a ring buffer per (layer, running sequence), written once per layer per step with
+one indexed copy. Left out on purpose: compressing at prefill (the first trigger comes with the first
+decode step past the floor), cross-request batching of the scoring (each trigger is per request).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sparserl.kv import CompressionSchedule, KVPolicyConfig, is_newline_token, reduce_scores, score_tokens, select_keep
+from sparserl.rollout.native.scheduler import ScheduledBatch, Scheduler
+from sparserl.rollout.native.sequence import Sequence
+
+
+@dataclass
+class _SeqState:
+    schedule: CompressionSchedule
+    row: int  # its row in the query ring buffer
+    queries_seen: int = 0
+    kept_positions: torch.Tensor | None = None  # (layers, H_kv, K) logical positions of the entries kept last time
+    appended_from: int = 0  # logical position of the first entry appended after the last compression
+
+
+class Compressor:
+    def __init__(self, cfg: KVPolicyConfig, runner, max_num_seqs: int, tokenizer=None) -> None:
+        if cfg.divide_method == "newline" and tokenizer is None:
+            raise ValueError("rollout.kv.divide_method=newline needs the engine to have a tokenizer")
+        self.cfg = cfg
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.window = cfg.window
+        self.max_rows = max_num_seqs
+        self._qbuf: list[torch.Tensor] | None = None  # per layer (rows, window, H, D)
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self._state: dict[int, _SeqState] = {}
+        self._newline: dict[int, bool] = {}
+
+    def max_slots(self, prompt_len: int, max_new_tokens: int) -> int:
+        return CompressionSchedule.max_slots(self.cfg, prompt_len, max_new_tokens)
+
+    def release(self) -> None:
+        self._qbuf = None
+
+    # ------------------------------------------------------------ query capture (inside the forward)
+    def on_queries(self, batch: ScheduledBatch):
+        """Returns the per-layer callback that stores this step's queries of every computed sequence."""
+        src, rows, ring = [], [], []
+        tok = 0
+        for seq in batch.decode + batch.prefill:
+            st = self._get(seq)
+            n = len(seq.pending)
+            take = min(n, self.window)
+            for i in range(n - take, n):
+                src.append(tok + i)
+                rows.append(st.row)
+                ring.append((st.queries_seen + i) % self.window)
+            st.queries_seen += n
+            tok += n
+        for seq in batch.forks:
+            self._get(seq)
+        dev = self.runner.device
+        src_t, rows_t, ring_t = (torch.tensor(x, dtype=torch.long, device=dev) for x in (src, rows, ring))
+
+        def capture(layer: int, q: torch.Tensor) -> None:  # q: (T, H, D)
+            if self._qbuf is None:
+                self._allocate(q)
+            self._qbuf[layer][rows_t, ring_t] = q[src_t]
+
+        return capture
+
+    def _allocate(self, q: torch.Tensor) -> None:
+        shape = (self.max_rows, self.window, q.shape[1], q.shape[2])
+        self._qbuf = [torch.zeros(shape, dtype=q.dtype, device=q.device) for _ in range(self.runner.num_layers)]
+
+    def _get(self, seq: Sequence) -> _SeqState:
+        st = self._state.get(seq.seq_id)
+        if st is None:
+            st = _SeqState(CompressionSchedule(self.cfg, len(seq.prompt)), self._free_rows.pop())
+            self._state[seq.seq_id] = st
+        return st
+
+    def forget(self, seq: Sequence) -> None:
+        st = self._state.pop(seq.seq_id, None)
+        if st is not None:
+            self._free_rows.append(st.row)
+
+    # ------------------------------------------------------------ after sampling
+    def after_step(self, batch: ScheduledBatch, live: list[Sequence], scheduler: Scheduler) -> None:
+        for seq in batch.forks:  # siblings start from their leader's prompt queries
+            if seq.seq_id in self._state and seq.fork_of.seq_id in self._state and self._qbuf is not None:
+                lead, me = self._state[seq.fork_of.seq_id], self._state[seq.seq_id]
+                for buf in self._qbuf:
+                    buf[me.row] = buf[lead.row]
+                me.queries_seen = lead.queries_seen
+        for seq in live:
+            st = self._state[seq.seq_id]
+            if st.schedule.on_token(len(seq.slots), self._is_newline(seq.output[-1])):
+                self.compress(seq, st, scheduler)
+
+    def _is_newline(self, token: int) -> bool:
+        if self.cfg.divide_method != "newline":
+            return False
+        hit = self._newline.get(token)
+        if hit is None:
+            hit = self._newline[token] = is_newline_token(self.tokenizer.decode([token]))
+        return hit
+
+    def _positions(self, st: _SeqState, n: int) -> torch.Tensor:  # (layers, H_kv, n)
+        r = self.runner
+        if st.kept_positions is None:
+            base = torch.arange(n, device=r.device)
+        else:
+            k = st.kept_positions.shape[-1]
+            tail = torch.arange(st.appended_from, st.appended_from + n - k, device=r.device)
+            return torch.cat([st.kept_positions, tail.expand(r.num_layers, r.num_kv_heads, -1)], dim=-1)
+        return base.expand(r.num_layers, r.num_kv_heads, n)
+
+    @torch.inference_mode()
+    def compress(self, seq: Sequence, st: _SeqState, scheduler: Scheduler) -> None:
+        t0 = time.perf_counter()
+        r = self.runner
+        n = len(seq.slots)
+        keep = st.schedule.target_len()
+        slots = torch.tensor(seq.slots, dtype=torch.long, device=r.device)
+        positions = self._positions(st, n)
+        w = min(self.window, st.queries_seen, n)
+        order = torch.tensor([(st.queries_seen - w + i) % self.window for i in range(w)], device=r.device)
+        shared = self.cfg.share != "head"
+        scores = []
+        for layer in range(r.num_layers):
+            keys = r.k_cache[layer][slots].transpose(0, 1)  # (H_kv, n, D)
+            queries = self._qbuf[layer][st.row, order].transpose(0, 1)  # (H, w, D)
+            scores.append(score_tokens(self.cfg, keys, queries, positions[layer]))
+        if self.cfg.share == "all":
+            idx_all = select_keep(reduce_scores(scores).expand(r.num_kv_heads, -1), keep, w, shared=True)
+        kept_pos = []
+        dst = slots[:keep]
+        for layer in range(r.num_layers):
+            idx = idx_all if self.cfg.share == "all" else select_keep(scores[layer], keep, w, shared)  # (H_kv, keep)
+            heads = torch.arange(r.num_kv_heads, device=r.device)[:, None]
+            src = slots[idx]  # (H_kv, keep) physical slot per head
+            for cache in (r.k_cache[layer], r.v_cache[layer]):
+                gathered = cache[src, heads]  # (H_kv, keep, D), a copy, so the in-place write below is safe
+                cache[dst] = gathered.transpose(0, 1)
+            kept_pos.append(positions[layer].gather(1, idx))
+        st.kept_positions = torch.stack(kept_pos)
+        st.appended_from = seq.num_cached
+        scheduler.release_slots(seq, seq.slots[keep:])
+        seq.slots = seq.slots[:keep]
+        seq.compressions += 1
+        seq.compress_s += time.perf_counter() - t0
