@@ -37,10 +37,10 @@ class Span:
 @dataclass
 class ForwardContext:
     spans: list[Span] = field(default_factory=list)  # sequences computed one by one
-    # Batched single-token decode: query rows [0, n_decode) attend over `decode_slots` where `decode_mask`.
+    # Batched single-token decode: query rows [0, n_decode) attend over `decode_slots` (padding masked by `decode_bias`).
     n_decode: int = 0
     decode_slots: torch.Tensor | None = None  # (Bd, Lmax) long
-    decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, Lmax) bool
+    decode_bias: torch.Tensor | None = None  # (Bd, 1, 1, Lmax) float32: 0 where valid, -inf on padding
     write_slots: torch.Tensor | None = None  # (T,) long
     k_cache: list[torch.Tensor] | None = None  # per layer (S, H_kv, D)
     v_cache: list[torch.Tensor] | None = None
@@ -65,6 +65,26 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
 def _sdpa(q, k, v, mask=None, causal=False, scale=None):  # (B, H, Tq, D), (B, Hkv, Tk, D)
     gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+
+def _decode_attention(q, k_cache, v_cache, ctx: ForwardContext, scaling: float | None) -> torch.Tensor:
+    """One query per sequence over its cached entries: (Bd, H, D) -> (Bd, H, D).
+
+    Grouped matmuls rather than SDPA: for a single query row the CPU SDPA kernels are an order of magnitude
+    slower, and the gather uses index_select (advanced indexing with a 2-D index is much slower on CPU).
+    """
+    bd, H, D = q.shape
+    idx = ctx.decode_slots  # (Bd, Lmax)
+    L = idx.shape[1]
+    k = k_cache.index_select(0, idx.reshape(-1)).view(bd, L, -1, D).transpose(1, 2)  # (Bd, H_kv, L, D)
+    v = v_cache.index_select(0, idx.reshape(-1)).view(bd, L, -1, D).transpose(1, 2)
+    hkv = k.shape[1]
+    qg = q.view(bd, hkv, H // hkv, D)  # (Bd, H_kv, G, D): query heads of one KV head together
+    scale = scaling if scaling is not None else D**-0.5
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # (Bd, H_kv, G, L)
+    scores = scores + ctx.decode_bias  # (Bd, 1, 1, L): 0 or -inf
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(bd, H, D)
 
 
 def packed_attention(
@@ -92,21 +112,18 @@ def packed_attention(
     out = torch.empty_like(q)  # (T, H, D)
     if ctx.k_cache is not None:
         k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
-        k_cache[ctx.write_slots] = k_new.to(k_cache.dtype)
-        v_cache[ctx.write_slots] = v_new.to(v_cache.dtype)
+        k_cache.index_copy_(0, ctx.write_slots, k_new.to(k_cache.dtype))
+        v_cache.index_copy_(0, ctx.write_slots, v_new.to(v_cache.dtype))
         if ctx.n_decode:
-            qd = q[: ctx.n_decode, :, None, :]  # (Bd, H, 1, D)
-            kd = k_cache[ctx.decode_slots].transpose(1, 2)  # (Bd, H_kv, Lmax, D)
-            vd = v_cache[ctx.decode_slots].transpose(1, 2)
-            out[: ctx.n_decode] = _sdpa(qd, kd, vd, mask=ctx.decode_mask, scale=scaling)[:, :, 0]
+            out[: ctx.n_decode] = _decode_attention(q[: ctx.n_decode], k_cache, v_cache, ctx, scaling)
     for span in ctx.spans:
         qs = q[span.start : span.end].transpose(0, 1)[None]  # (1, H, n, D)
         if span.slots is None:
             ks = k_new[span.start : span.end].transpose(0, 1)[None]
             vs = v_new[span.start : span.end].transpose(0, 1)[None]
         else:
-            ks = k_cache[span.slots].transpose(0, 1)[None]  # (1, H_kv, L, D)
-            vs = v_cache[span.slots].transpose(0, 1)[None]
+            ks = k_cache.index_select(0, span.slots).transpose(0, 1)[None]  # (1, H_kv, L, D)
+            vs = v_cache.index_select(0, span.slots).transpose(0, 1)[None]
         n = span.end - span.start
         if span.num_cached == 0:
             o = _sdpa(qs, ks, vs, causal=True, scale=scaling)

@@ -82,7 +82,7 @@ class ModelRunner:
             on_queries=on_queries,
         )
         if batch.decode:
-            ctx.decode_slots, ctx.decode_mask = self._decode_index([s.slots for s in batch.decode])
+            ctx.decode_slots, ctx.decode_bias = self._decode_index([s.slots for s in batch.decode])
         return ctx, ids, pos, keep
 
     def _decode_index(self, slot_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +92,8 @@ class ModelRunner:
         mask = torch.arange(lmax, device=self.device)[None, :] < lengths[:, None]  # (Bd, Lmax)
         index = torch.zeros(mask.shape, dtype=torch.long, device=self.device)
         index[mask] = flat
-        return index, mask[:, None, None, :]
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=self.device).masked_fill_(~mask, float("-inf"))
+        return index, bias[:, None, None, :]
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, on_queries=None) -> torch.Tensor:
@@ -116,8 +117,8 @@ class ModelRunner:
         src = self._tensor([x for s in forks for x in s.fork_of.slots[: len(s.prompt)]])
         dst = self._tensor([x for s in forks for x in s.slots])
         for k, v in zip(self.k_cache, self.v_cache):
-            k[dst] = k[src]
-            v[dst] = v[src]
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
 
     @torch.no_grad()
     def load_weights(self, named_tensors) -> int:

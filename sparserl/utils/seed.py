@@ -1,0 +1,72 @@
+"""Seeding and RNG-state capture for reproducible runs and exact resume.
+
+`set_seed(seed, rank)` seeds every generator with `seed + rank`: ranks draw different dropout masks and
+samples, and a run is reproducible for a fixed world size. Anything that must be identical on all ranks
+(initial weights, the prompt order) must not rely on the global generators: weights are loaded from a
+checkpoint, and data order uses its own generator seeded with `seed` alone.
+
+`rng_state()` returns only tensors, ints, floats, strings and tuples, so `torch.save` stores it and
+`torch.load(weights_only=True)` reads it back.
+
+Left out on purpose: `torch.use_deterministic_algorithms` and cuDNN flags (they cost speed and belong to
+the caller's choice), and the states of generators owned by other objects (samplers, data loaders).
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional; torch and python random are always seeded
+    np = None
+
+
+def set_seed(seed: int, rank: int = 0) -> int:
+    """Seed python, numpy and torch (CPU and every CUDA device) with `seed + rank`; returns that value."""
+    effective = int(seed) + int(rank)
+    random.seed(effective)
+    if np is not None:
+        np.random.seed(effective % 2**32)
+    torch.manual_seed(effective)  # also seeds all CUDA devices
+    return effective
+
+
+def rng_state() -> dict[str, Any]:
+    """The current states of the python, numpy, torch and CUDA generators."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if np is not None:
+        st = np.random.get_state(legacy=False)
+        state["numpy"] = {
+            "bit_generator": st["bit_generator"],
+            "key": torch.from_numpy(st["state"]["key"].astype(np.int64)),
+            "pos": int(st["state"]["pos"]),
+            "has_gauss": int(st["has_gauss"]),
+            "gauss": float(st["gauss"]),
+        }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore states from `rng_state()`; generators absent from `state` (e.g. CUDA saved on CPU) are kept."""
+    if "python" in state:
+        version, internal, gauss_next = state["python"]
+        random.setstate((version, tuple(internal), gauss_next))  # a loader may turn tuples into lists
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].cpu())
+    if "numpy" in state and np is not None:
+        st = state["numpy"]
+        np.random.set_state({
+            "bit_generator": st["bit_generator"],
+            "state": {"key": st["key"].numpy().astype(np.uint32), "pos": st["pos"]},
+            "has_gauss": st["has_gauss"],
+            "gauss": st["gauss"],
+        })
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_states = state["cuda"]
+        for device in range(min(len(cuda_states), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(cuda_states[device].cpu(), device)
