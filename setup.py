@@ -8,8 +8,6 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["sparserl", "sparserl.*"]),
-    include_package_data=True,
-    package_data={"sparserl": ["configs/*.yaml"]},
     install_requires=[
         "torch>=2.6",
         "transformers>=4.56",

@@ -1,0 +1,176 @@
+"""The actor: an FSDP2-sharded Hugging Face model, its optimizer, log-prob recompute and the PPO update.
+
+Every DP rank trains on its own sequences. Losses are normalized by counts all-reduced over the whole
+minibatch and multiplied by the DP size before backward (FSDP2 averages gradients), so the update is the
+same for any world size and any micro-batch split. Ranks run the same number of forwards (short ranks run
+an empty micro-batch), because every FSDP2 forward and backward is a collective.
+Left out on purpose: tensor parallelism (parallelize.py grows it), CPU offload of optimizer state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from sparserl.actor.hf import load_model, parse_dtype
+from sparserl.actor.logprobs import PackedSeqs, packed_logprobs
+from sparserl.actor.optim import build_optimizer, build_scheduler
+from sparserl.actor.parallelize import parallelize
+from sparserl.algo.aggregation import Normalizer
+from sparserl.data.packing import split_microbatches
+from sparserl.parallel import all_reduce_max, all_reduce_sum
+from sparserl.rollout.native.attention import use_packed_attention
+
+
+@dataclass
+class TrainBatch:
+    """This rank's sequences for one update. Per-token tensors are response-aligned (B, T)."""
+
+    ids: list[list[int]]  # prompt + response tokens
+    prompt_lens: list[int]
+    mask: torch.Tensor  # (B, T) 1 = trained token
+    advantages: torch.Tensor  # (B,)
+    logp_old: torch.Tensor | None = None  # (B, T)
+    logp_ref: torch.Tensor | None = None
+    weights: torch.Tensor | None = None  # correction weights (B, T)
+    kl_weights: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def lengths(self) -> list[int]:
+        return [len(x) for x in self.ids]
+
+
+# loss_fn(logp, entropy, batch, index, normalizer) -> (scalar loss, metrics)
+LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch, torch.Tensor, Normalizer], tuple[torch.Tensor, dict]]
+
+
+class Actor:
+    def __init__(self, model_path: str, mesh, device: torch.device, *, dtype: str = "float32", compute_dtype: str = "bfloat16",
+                 lr: float = 1e-6, betas=(0.9, 0.999), weight_decay: float = 0.0, lr_schedule: str = "constant",
+                 warmup_steps: int = 0, total_steps: int = 1, min_lr_ratio: float = 0.0, max_grad_norm: float = 1.0,
+                 max_tokens_per_device: int = 8192, activation_checkpointing: bool = False, trainable: bool = True,
+                 sampling: tuple[float, float, int] = (1.0, 1.0, 0)) -> None:
+        self.device = device
+        self.mesh = mesh
+        self.max_tokens = max_tokens_per_device
+        self.max_grad_norm = max_grad_norm
+        self.temperature, self.top_p, self.top_k = sampling
+        model = load_model(model_path, dtype, device)
+        use_packed_attention(model)
+        if activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.config = model.config
+        self.model = parallelize(model, mesh, param_dtype=parse_dtype(compute_dtype), reduce_dtype=torch.float32)
+        self.dp_size = mesh["dp"].size()
+        self.dp_group = mesh["dp"].get_group()
+        self.optimizer = self.scheduler = None
+        if trainable:
+            self.model.train()
+            self.optimizer = build_optimizer(self.model.parameters(), lr, betas, weight_decay)
+            self.scheduler = build_scheduler(self.optimizer, lr_schedule, warmup_steps, total_steps, min_lr_ratio)
+        else:
+            self.model.eval()
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+
+    # ------------------------------------------------------------------ micro-batching
+    def _microbatches(self, batch: TrainBatch, index: list[int]) -> list[list[int]]:
+        """Micro-batches of `index`; padded with empty ones so every DP rank runs the same count."""
+        lengths = [len(batch.ids[i]) for i in index]
+        mbs = [[index[j] for j in mb] for mb in split_microbatches(lengths, self.max_tokens)] if index else []
+        count = all_reduce_max(torch.tensor([len(mbs)], device=self.device), self.dp_group)
+        return mbs + [[] for _ in range(int(count.item()) - len(mbs))]
+
+    def _forward(self, batch: TrainBatch, mb: list[int], with_entropy: bool):
+        if not mb:  # keep the collectives in step with other ranks: a one-token dummy sequence
+            seqs = PackedSeqs([[0, 0]], [1])
+        else:
+            seqs = PackedSeqs([batch.ids[i] for i in mb], [batch.prompt_lens[i] for i in mb])
+        return packed_logprobs(self.model, seqs, self.device, self.temperature, self.top_p, self.top_k, with_entropy)
+
+    # ------------------------------------------------------------------ log-probs
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Dense log-probs of every response token under the current weights: (B, T)."""
+        T = batch.mask.shape[1]
+        out = torch.zeros(len(batch), T, device=self.device)
+        for mb in self._microbatches(batch, list(range(len(batch)))):
+            logp, _ = self._forward(batch, mb, with_entropy=False)
+            for row, i in enumerate(mb):
+                out[i, : logp.shape[1]] = logp[row]
+        return out
+
+    # ------------------------------------------------------------------ update
+    def update(self, batch: TrainBatch, loss_fn: LossFn, num_minibatches: int = 1, epochs: int = 1,
+               with_entropy: bool = True) -> dict[str, float]:
+        assert self.optimizer is not None, "this actor is frozen"
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        grad_norms = []
+        n = len(batch)
+        for _ in range(epochs):
+            for k in range(num_minibatches):
+                index = list(range(k * n // num_minibatches, (k + 1) * n // num_minibatches))
+                norm = self._normalizer(batch, index)
+                for mb in self._microbatches(batch, index):
+                    logp, ent = self._forward(batch, mb, with_entropy)
+                    idx = torch.tensor(mb, dtype=torch.long, device=self.device)
+                    if mb:
+                        loss, metrics = loss_fn(logp, ent, batch, idx, norm)
+                        for key, v in metrics.items():
+                            sums[key] = sums.get(key, 0.0) + float(v)
+                            counts[key] = counts.get(key, 0) + 1
+                    else:
+                        loss = logp.sum() * 0.0
+                    # FSDP2 averages gradients over DP ranks; the loss is already globally normalized.
+                    (loss * self.dp_size).backward()
+                grad_norms.append(self._step())
+        steps = num_minibatches * epochs
+        metrics = {k: (v / steps if k in _SUMMED else v / counts[k]) for k, v in sums.items()}
+        metrics = self._mean_over_ranks(metrics, counts)
+        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def _normalizer(self, batch: TrainBatch, index: list[int]) -> Normalizer:
+        mask = batch.mask[index] if index else batch.mask[:0]
+        t = torch.tensor([float(mask.sum()), float(len(index))], dtype=torch.float64, device=self.device)
+        all_reduce_sum(t, self.dp_group)
+        return Normalizer(tokens=float(t[0]), seqs=float(t[1]))
+
+    def _step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return float(norm)
+
+    def _mean_over_ranks(self, metrics: dict[str, float], counts: dict[str, int]) -> dict[str, float]:
+        keys = sorted(_SUMMED | set(counts))
+        vals = torch.tensor([metrics.get(k, 0.0) for k in keys] + [float(counts.get(k, 0) > 0) for k in keys],
+                            dtype=torch.float64, device=self.device)
+        all_reduce_sum(vals, self.dp_group)
+        n = len(keys)
+        out = {}
+        for i, k in enumerate(keys):
+            if k in _SUMMED:
+                out[k] = float(vals[i])  # shares of a globally normalized quantity add up
+            elif vals[n + i] > 0:
+                out[k] = float(vals[i] / vals[n + i])
+        return out
+
+    # ------------------------------------------------------------------ weights out
+    def full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) for every parameter and buffer, gathered from shards; a collective."""
+        for name, t in self.model.state_dict().items():
+            yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+
+# Metrics from policy_objective that are a micro-batch's share of a global quantity (summed, not averaged).
+_SUMMED = {"actor/loss", "actor/pg_loss", "actor/kl", "actor/entropy"}

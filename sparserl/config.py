@@ -1,0 +1,249 @@
+"""Structured configuration: dataclasses registered with Hydra, loaded once at start-up.
+
+`load_config(overrides)` composes `configs/<name>.yaml` over the schema below with command-line overrides
+(`key=value`, `+preset=sparse_rl`), checks every overridden key against the schema first (a misspelled key
+fails naming the closest valid names), and returns the typed `Config`. Nothing past this module sees a
+DictConfig. Left out on purpose: Hydra's run-directory and logging takeover (`trainer.output_dir` is ours).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sparserl.utils.errors import UserError
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+@dataclass
+class ModelConfig:
+    path: str = "smollm2-135m-instruct"  # HF folder, hub id, or the offline alias
+    dtype: str = "float32"  # master weights and optimizer state
+    compute_dtype: str = "bfloat16"  # forward/backward (FSDP2 mixed precision); reductions stay fp32
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    train_path: str = ""  # empty: prompts come from the env module's make_prompts()
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    messages_key: str = "messages"
+    answer_extract: str = "none"  # none | gsm8k_hash | boxed
+    apply_chat_template: str = "auto"  # auto | always | never
+    system_prompt: str | None = None
+    num_generated: int = 4096  # prompts to ask make_prompts() for
+    max_prompt_tokens: int = 1024  # longer prompts are skipped (counted at start-up)
+    shuffle: bool = True
+
+
+@dataclass
+class EnvConfig:
+    path: str = "envs/arithmetic.py"
+    max_turns: int = 1
+
+
+@dataclass
+class KVConfig:
+    algorithm: str = "none"  # none | rkv | snapkv | streaming
+    budget: int = 512
+    divide_method: str = "step_length"  # step_length | newline
+    divide_length: int = 128
+    window: int = 8
+    mix_lambda: float = 0.1
+    kernel: int = 7
+    sim_threshold: float = 0.5
+    sinks: int = 4
+    share: str = "head"  # head | layer | all
+    compress_prompt: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "native"  # native | sglang
+    n: int = 8
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_strings: list[str] = field(default_factory=list)
+    dtype: str = "bfloat16"  # the engine's weights and KV cache
+    kv_pool_tokens: int = 0  # slots per layer; 0 = enough for every sequence of a step, densely
+    max_num_seqs: int = 256
+    max_batch_tokens: int = 8192
+    kv: KVConfig = field(default_factory=KVConfig)
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr_schedule: str = "constant"  # constant | cosine
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+    max_tokens_per_device: int = 8192  # tokens per packed micro-batch
+    updates_per_rollout: int = 1  # optimizer steps per rollout (minibatches)
+    ppo_epochs: int = 1
+
+
+@dataclass
+class KLConfig:
+    coef: float = 0.0
+    estimator: str = "k3"  # k1 | k2 | k3
+    mode: str = "loss"  # loss | reward
+
+
+@dataclass
+class CorrectionSettings:
+    enable: bool = False
+    mode: str = "apply"  # apply | measure
+    is_cap: float | None = 1.5
+    is_batch_normalize: bool = True
+    apply_to_kl: bool = False
+    veto: float | None = 1e-4
+    token_low: float | None = 0.5
+    token_high: float | None = 1.5
+    geo_low: float | None = None
+    geo_high: float | None = None
+    rejected_in_baseline: bool = True
+
+
+@dataclass
+class AlgoConfig:
+    adv_estimator: str = "grpo"  # grpo | drgrpo
+    loss_agg: str = "token"  # token | sequence
+    policy_loss: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    entropy_coef: float = 0.0
+    kl: KLConfig = field(default_factory=KLConfig)
+    correction: CorrectionSettings = field(default_factory=CorrectionSettings)
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    backend: str = "auto"  # auto | gloo | nccl
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 20
+    prompts_per_step: int = 16  # global, across data-parallel ranks
+    output_dir: str = "outputs/grpo"
+    save_every: int = 0  # 0 = only at the end
+    resume: str = "none"  # none | auto | <checkpoint folder>
+    seed: int = 0
+    export_hf: bool = True
+    stop_after: int = 0  # stop (as if interrupted) after this many steps; 0 = off
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"  # disabled | offline | online
+    project: str = "sparserl"
+    name: str | None = None
+
+
+@dataclass
+class LoggerConfig:
+    progress: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        from hydra.core.config_store import ConfigStore
+
+        ConfigStore.instance().store(name="sparserl_schema", node=Config)
+        _registered = True
+
+
+def _fields(cls) -> dict[str, Any]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def check_key(key: str) -> None:
+    """Raise UserError naming the closest valid keys when `key` (dotted) is not in the schema."""
+    node = Config
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        fields = _fields(node)
+        if part not in fields:
+            prefix = ".".join(parts[:i])
+            valid = [f"{prefix}.{n}" if prefix else n for n in fields]
+            close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5) or difflib.get_close_matches(part, list(fields), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise UserError(f"unknown config key {key!r}{hint} (valid under {prefix or 'the root'}: {', '.join(fields)})")
+        ftype = fields[part].default_factory if fields[part].default_factory is not dataclasses.MISSING else None
+        node = ftype if (ftype is not None and dataclasses.is_dataclass(ftype)) else None
+        if node is None and i < len(parts) - 1:
+            raise UserError(f"unknown config key {key!r}: {'.'.join(parts[: i + 1])} has no sub-keys")
+
+
+def _override_key(override: str) -> str | None:
+    if "=" not in override:
+        raise UserError(f"bad override {override!r}: write key=value")
+    key = override.split("=", 1)[0].lstrip("+~")
+    if key in ("preset", "hydra") or key.startswith("hydra."):
+        return None
+    return key
+
+
+def load_config(overrides: list[str] | None = None, config_name: str = "grpo", config_dir: Path | None = None) -> Config:
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = list(overrides or [])
+    for ov in overrides:
+        key = _override_key(ov)
+        if key is not None:
+            check_key(key)
+    _register()
+    config_dir = Path(config_dir or CONFIG_DIR)
+    if not config_dir.exists():
+        raise UserError(f"config folder {config_dir} not found (install sparserl with pip install -e .)")
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+            cfg = compose(config_name=config_name, overrides=overrides)
+        obj = OmegaConf.to_object(cfg)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise UserError(" ".join(str(e).split())) from None
+    assert isinstance(obj, Config)
+    return obj
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

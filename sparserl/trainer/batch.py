@@ -1,0 +1,88 @@
+"""From rollout samples to the tensors of one update: padding, advantages, correction, the loss closure.
+
+Pure functions over this rank's samples plus the all-reduces that make normalizers global. The trainer
+calls them in order; each returns its metrics. Left out on purpose: dynamic sampling (dropping groups
+whose rewards have zero variance) and partial rollouts.
+"""
+from __future__ import annotations
+
+import torch
+
+from sparserl.actor.actor import TrainBatch
+from sparserl.algo.advantages import compute_advantages
+from sparserl.algo.correction import CorrectionConfig, correct, dist_reduce_sum
+from sparserl.algo.loss import LossConfig, kl_reward_penalty, policy_objective
+from sparserl.config import AlgoConfig
+from sparserl.rollout.worker import Sample
+
+
+def pad(rows: list[list[float]], T: int, device) -> torch.Tensor:
+    out = torch.zeros(len(rows), T, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out.to(device)
+
+
+def to_train_batch(samples: list[Sample], device) -> tuple[TrainBatch, torch.Tensor]:
+    """Returns the batch (advantages unset) and the sampler log-probs (B, T)."""
+    T = max(1, max(len(s.response_ids) for s in samples))
+    batch = TrainBatch(
+        ids=[s.prompt_ids + s.response_ids for s in samples],
+        prompt_lens=[len(s.prompt_ids) for s in samples],
+        mask=pad([s.loss_mask for s in samples], T, device),
+        advantages=torch.zeros(len(samples), device=device),
+    )
+    return batch, pad([s.logp_sparse for s in samples], T, device)
+
+
+def correction_config(algo: AlgoConfig) -> CorrectionConfig:
+    c = algo.correction
+    return CorrectionConfig(enable=c.enable, mode=c.mode, is_cap=c.is_cap, is_batch_normalize=c.is_batch_normalize,
+                            apply_to_kl=c.apply_to_kl, veto=c.veto, token_low=c.token_low, token_high=c.token_high,
+                            geo_low=c.geo_low, geo_high=c.geo_high, rejected_in_baseline=c.rejected_in_baseline)
+
+
+def apply_correction(algo: AlgoConfig, batch: TrainBatch, logp_sparse: torch.Tensor, dp_group) -> tuple[torch.Tensor, dict]:
+    """Sets the batch's correction weights and mask; returns which sequences were rejected (B,) and metrics."""
+    cfg = correction_config(algo)
+    corr, metrics = correct(cfg, batch.logp_old, logp_sparse, batch.mask, reduce_sum=dist_reduce_sum(dp_group))
+    if cfg.enable and cfg.mode == "apply":
+        batch.weights, batch.mask, batch.kl_weights = corr.weights, corr.mask, corr.kl_weights
+    return corr.seq_rejected, metrics
+
+
+def set_advantages(algo: AlgoConfig, batch: TrainBatch, samples: list[Sample], n: int, rejected: torch.Tensor,
+                   loss_cfg: LossConfig) -> dict:
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=batch.mask.device)
+    metrics: dict[str, float] = {}
+    if loss_cfg.kl_coef and loss_cfg.kl_mode == "reward":
+        penalty, m = kl_reward_penalty(loss_cfg, batch.logp_old, batch.logp_ref, batch.mask)
+        rewards = rewards - penalty.sum(-1)
+        metrics.update(m)
+    valid = None
+    if algo.correction.enable and algo.correction.mode == "apply" and not algo.correction.rejected_in_baseline:
+        valid = (~rejected).view(-1, n)
+    adv, m = compute_advantages(algo.adv_estimator, rewards.view(-1, n), valid)
+    batch.advantages = adv.reshape(-1)
+    metrics.update(m)
+    return metrics
+
+
+def loss_config(algo: AlgoConfig) -> LossConfig:
+    return LossConfig(policy_loss=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
+                      loss_agg=algo.loss_agg, kl_coef=algo.kl.coef, kl_estimator=algo.kl.estimator, kl_mode=algo.kl.mode,
+                      entropy_coef=algo.entropy_coef)
+
+
+def make_loss_fn(cfg: LossConfig):
+    def loss_fn(logp, entropy, batch: TrainBatch, idx, norm):
+        T = logp.shape[1]
+        take = lambda t: None if t is None else t[idx, :T]  # noqa: E731
+        use_kl = cfg.kl_coef != 0 and cfg.kl_mode == "loss"
+        return policy_objective(
+            cfg, logp, take(batch.logp_old), batch.advantages[idx][:, None], take(batch.mask), norm,
+            weights=take(batch.weights), logp_ref=take(batch.logp_ref) if use_kl else None,
+            entropy=entropy, kl_weights=take(batch.kl_weights) if use_kl else None,
+        )
+
+    return loss_fn

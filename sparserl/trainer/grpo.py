@@ -1,0 +1,144 @@
+"""`torchrun -m sparserl.trainer.grpo key=value ...`: GRPO-family training on (sparse) rollouts.
+
+Each step, top to bottom (DESIGN.md section 2): wake the engine, roll out this rank's prompts through the
+env, put the engine to sleep, recompute dense log-probs, correct for the sampler mismatch, compute group
+advantages, update the actor, push the weights to the engine, log, checkpoint. This file orchestrates;
+the work happens in the functions it calls.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from sparserl.actor import checkpoint
+from sparserl.actor.hf import export_hf
+from sparserl.config import Config, load_config
+from sparserl.rollout.weight_sync import sync_weights
+from sparserl.rollout.worker import rollout
+from sparserl.trainer import setup as S
+from sparserl.trainer.batch import apply_correction, loss_config, make_loss_fn, set_advantages, to_train_batch
+from sparserl.trainer.metrics import gather_step_metrics
+from sparserl.utils.errors import run_main
+from sparserl.utils.logging import log0, progress
+from sparserl.utils.seed import rng_state, set_rng_state, set_seed
+from sparserl.utils.timers import Timers
+
+
+class _Progress:
+    """Engine wrapper that advances a progress bar as sequences finish."""
+
+    def __init__(self, engine, bar):
+        self.engine, self.bar = engine, bar
+
+    def generate(self, requests, progress=None):
+        return self.engine.generate(requests, progress=self.bar.update)
+
+
+def train(cfg: Config) -> None:
+    inputs = S.validate_inputs(cfg)  # user errors surface here, before anything is written
+    info, dims, mesh = S.start_processes(cfg)
+    set_seed(cfg.trainer.seed, info.rank)
+    tokenizer = S.load_tokenizer(inputs.model_path)
+    prompts = S.format_prompts(cfg, inputs.rows, tokenizer)
+    sampler = S.prompt_sampler(cfg, len(inputs.rows), mesh)
+    params = S.sampling_params(cfg)
+    max_prompt = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts[: 4 * cfg.trainer.prompts_per_step])
+    actor = S.build_actor(cfg, inputs.model_path, mesh, info.device)
+    ref = S.build_actor(cfg, inputs.model_path, mesh, info.device, trainable=False) if cfg.algo.kl.coef else None
+    engine = S.build_rollout_engine(cfg, inputs.model_path, tokenizer, info.device,
+                                    S.pool_slots(cfg, 2 * max_prompt, cfg.trainer.prompts_per_step // dims.dp), cfg.trainer.seed)
+    start = 0
+    resume_from = checkpoint.resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
+    if resume_from is not None:
+        extra = checkpoint.load(resume_from, actor.model, actor.optimizer, info.rank)
+        actor.scheduler.load_state_dict(extra["scheduler"])
+        sampler.load_state_dict(extra["sampler"])
+        set_rng_state(extra["rng"])
+        start = extra["step"]
+        log0(f"resumed from {resume_from} at step {start}")
+    logger = S.open_output(cfg, info.rank, tokenizer)
+    logger.truncate_after(start)
+    sync_weights(actor.full_state(), engine)
+    loss_cfg = loss_config(cfg.algo)
+    timers = Timers()
+
+    for step in range(start + 1, cfg.trainer.total_steps + 1):
+        t_step = time.perf_counter()
+        batch_idx = sampler.next()
+        rows = [inputs.rows[i] for i in batch_idx.local_indices]
+        texts = [prompts[i] for i in batch_idx.local_indices]
+
+        # 1-3: rollout with fresh weights, then give the KV memory back for training.
+        engine.wake()
+        engine.reset_stats()
+        engine.seed = cfg.trainer.seed * 1_000_003 + step * 7_919 + info.rank
+        with timers("rollout"), progress(len(rows) * params.n, f"rollout {step}", info.rank, cfg.logger.progress) as bar:
+            samples, rollout_metrics = rollout(_Progress(engine, bar), tokenizer, inputs.env, rows, texts, params,
+                                               max_turns=cfg.env.max_turns)
+        engine.sleep()
+
+        # 4: dense log-probs of the sampled tokens under the same weights (and the reference).
+        batch, logp_sparse = to_train_batch(samples, info.device)
+        with timers("old_logprobs"):
+            batch.logp_old = actor.logprobs(batch)
+            if ref is not None:
+                batch.logp_ref = ref.logprobs(batch)
+
+        # 5-6: sparse/dense mismatch correction, then group advantages.
+        rejected, correction_metrics = apply_correction(cfg.algo, batch, logp_sparse, actor.dp_group)
+        adv_metrics = set_advantages(cfg.algo, batch, samples, params.n, rejected, loss_cfg)
+
+        # 7: the update, then fresh weights into the engine.
+        with timers("update"):
+            actor_metrics = actor.update(batch, make_loss_fn(loss_cfg), cfg.actor.updates_per_rollout, cfg.actor.ppo_epochs)
+        with timers("weight_sync"):
+            sync_weights(actor.full_state(), engine)
+
+        # 8: metrics and checkpoints.
+        metrics = gather_step_metrics(step, samples, rollout_metrics, engine.stats(), batch, timers.pop(),
+                                      time.perf_counter() - t_step, actor.dp_group, info.device)
+        metrics.update(correction_metrics | adv_metrics | actor_metrics)
+        metrics["mem/peak_gb"] = peak_memory_gb(info.device)
+        logger.log(step, metrics)
+        last = step == cfg.trainer.total_steps or step == cfg.trainer.stop_after
+        if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or last:
+            extra = {"step": step, "scheduler": actor.scheduler.state_dict(), "sampler": sampler.state_dict(), "rng": rng_state()}
+            checkpoint.save(cfg.trainer.output_dir, step, actor.model, actor.optimizer, extra, info.rank)
+        if step == cfg.trainer.stop_after:
+            log0(f"stopping after step {step} (trainer.stop_after)")
+            break
+    else:
+        if cfg.trainer.export_hf:
+            export_final(cfg, actor, tokenizer, info.rank)
+    logger.close()
+
+
+def export_final(cfg: Config, actor, tokenizer, rank: int) -> None:
+    state = {k: v.detach().cpu() for k, v in actor.full_state()}  # every rank joins the gathers
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(actor.config)
+        shell.config.dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        path = export_hf(shell, tokenizer, Path(cfg.trainer.output_dir) / "hf", state_dict=state)
+        log0(f"exported the final policy to {path}")
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def main(argv: list[str] | None = None) -> None:
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    run_main(lambda: train(load_config(overrides)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Step metrics that need every rank's view: rewards, lengths, KV use, throughput.
+
+Left out on purpose: per-env breakdowns (envs can put their own numbers in `extra_info`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from sparserl.rollout.engine import EngineStats
+from sparserl.rollout.worker import Sample
+
+
+def gather_step_metrics(step: int, samples: list[Sample], rollout_metrics: dict, stats: EngineStats, batch, timers: dict,
+                        step_s: float, dp_group, device) -> dict[str, float]:
+    kv = [k for s in samples for k in s.kv]
+    retained = sum(k.retained_tokens for k in kv)
+    total = sum(k.total_tokens for k in kv)
+    local = {
+        # Sums over ranks; means are formed below so they weigh every sample equally.
+        "n": float(len(samples)),
+        "reward_sum": sum(s.reward for s in samples),
+        "reward_sq": sum(s.reward**2 for s in samples),
+        "len_sum": float(sum(len(s.response_ids) for s in samples)),
+        "error": float(sum(s.status == "error" for s in samples)),
+        "truncated": float(sum(s.status == "truncated" for s in samples)),
+        "retained": float(retained),
+        "total": float(total),
+        "new_tokens": float(stats.new_tokens),
+        "train_tokens": float(sum(len(x) for x in batch.ids)),
+        "compressions": float(stats.compressions),
+        "compress_s": stats.compress_s,
+    }
+    maxes = {"peak_slots": float(stats.peak_slots), "peak_kv_gb": stats.peak_kv_bytes / 2**30,
+             "len_max": float(max(len(s.response_ids) for s in samples)), "rollout_s": timers.get("perf/rollout_s", 0.0),
+             "update_s": timers.get("perf/update_s", 0.0), "peak_running": float(stats.peak_running)}
+    g = _reduce(local, dist.ReduceOp.SUM, dp_group, device)
+    m = _reduce(maxes, dist.ReduceOp.MAX, dp_group, device)
+    n = max(g["n"], 1.0)
+    mean = g["reward_sum"] / n
+    out = {
+        "step": step,
+        "reward/mean": mean,
+        "reward/std": max(g["reward_sq"] / n - mean**2, 0.0) ** 0.5,
+        "response/len_mean": g["len_sum"] / n,
+        "response/len_max": m["len_max"],
+        "response/truncated_frac": g["truncated"] / n,
+        "env/error_frac": g["error"] / n,
+        "env/error_count": g["error"],
+        "kv/peak_slots": m["peak_slots"],
+        "kv/peak_gb": m["peak_kv_gb"],
+        "kv/retained_frac": g["retained"] / g["total"] if g["total"] else 1.0,
+        "kv/compressions": g["compressions"],
+        "kv/compress_s": g["compress_s"],
+        "kv/peak_running": m["peak_running"],
+        "perf/rollout_tok_s": g["new_tokens"] / m["rollout_s"] if m["rollout_s"] else 0.0,
+        "perf/train_tok_s": g["train_tokens"] / m["update_s"] if m["update_s"] else 0.0,
+        "perf/step_s": step_s,
+    }
+    for key in ("score/mean", "env/turns_mean"):
+        if key in rollout_metrics:
+            out[key] = float(_reduce({key: rollout_metrics[key] * len(samples)}, dist.ReduceOp.SUM, dp_group, device)[key] / n)
+    out.update(timers)
+    return out
+
+
+def _reduce(values: dict[str, float], op, group, device) -> dict[str, float]:
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return dict(zip(keys, t.tolist()))
