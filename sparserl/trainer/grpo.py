@@ -43,14 +43,13 @@ def train(cfg: Config) -> None:
     info, dims, mesh = S.start_processes(cfg)
     set_seed(cfg.trainer.seed, info.rank)
     tokenizer = S.load_tokenizer(inputs.model_path)
-    prompts = S.format_prompts(cfg, inputs.rows, tokenizer)
-    sampler = S.prompt_sampler(cfg, len(inputs.rows), mesh)
+    rows, prompts, max_prompt = S.filter_long_prompts(cfg, inputs.rows, S.format_prompts(cfg, inputs.rows, tokenizer), tokenizer)
+    sampler = S.prompt_sampler(cfg, len(rows), mesh)
     params = S.sampling_params(cfg)
-    max_prompt = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts[: 4 * cfg.trainer.prompts_per_step])
     actor = S.build_actor(cfg, inputs.model_path, mesh, info.device)
     ref = S.build_actor(cfg, inputs.model_path, mesh, info.device, trainable=False) if cfg.algo.kl.coef else None
     engine = S.build_rollout_engine(cfg, inputs.model_path, tokenizer, info.device,
-                                    S.pool_slots(cfg, 2 * max_prompt, cfg.trainer.prompts_per_step // dims.dp), cfg.trainer.seed)
+                                    S.pool_slots(cfg, max_prompt, cfg.trainer.prompts_per_step // dims.dp), cfg.trainer.seed)
     start = 0
     resume_from = checkpoint.resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
     if resume_from is not None:
@@ -69,15 +68,15 @@ def train(cfg: Config) -> None:
     for step in range(start + 1, cfg.trainer.total_steps + 1):
         t_step = time.perf_counter()
         batch_idx = sampler.next()
-        rows = [inputs.rows[i] for i in batch_idx.local_indices]
+        step_rows = [rows[i] for i in batch_idx.local_indices]
         texts = [prompts[i] for i in batch_idx.local_indices]
 
         # 1-3: rollout with fresh weights, then give the KV memory back for training.
         engine.wake()
         engine.reset_stats()
         engine.seed = cfg.trainer.seed * 1_000_003 + step * 7_919 + info.rank
-        with timers("rollout"), progress(len(rows) * params.n, f"rollout {step}", info.rank, cfg.logger.progress) as bar:
-            samples, rollout_metrics = rollout(_Progress(engine, bar), tokenizer, inputs.env, rows, texts, params,
+        with timers("rollout"), progress(len(step_rows) * params.n, f"rollout {step}", info.rank, cfg.logger.progress) as bar:
+            samples, rollout_metrics = rollout(_Progress(engine, bar), tokenizer, inputs.env, step_rows, texts, params,
                                                max_turns=cfg.env.max_turns)
         engine.sleep()
 

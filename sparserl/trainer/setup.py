@@ -55,6 +55,17 @@ def format_prompts(cfg: Config, rows: list[PromptRow], tokenizer) -> list[str]:
     return [format_prompt(r, tokenizer, cfg.data.apply_chat_template, cfg.data.system_prompt) for r in rows]
 
 
+def filter_long_prompts(cfg: Config, rows: list[PromptRow], prompts: list[str], tokenizer) -> tuple[list[PromptRow], list[str], int]:
+    """Drops prompts longer than data.max_prompt_tokens (saying how many); returns rows, texts, longest length."""
+    lengths = [len(x) for x in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    keep = [i for i, n in enumerate(lengths) if n <= cfg.data.max_prompt_tokens]
+    if not keep:
+        raise UserError(f"every prompt is longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens} tokens")
+    if len(keep) < len(rows):
+        log0(f"skipping {len(rows) - len(keep)} of {len(rows)} prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+    return [rows[i] for i in keep], [prompts[i] for i in keep], max(lengths[i] for i in keep)
+
+
 def kv_policy(cfg: Config) -> KVPolicyConfig:
     k = cfg.rollout.kv
     try:
@@ -97,6 +108,7 @@ def build_actor(cfg: Config, model_path: str, mesh, device, trainable: bool = Tr
                  total_steps=cfg.trainer.total_steps * a.updates_per_rollout * a.ppo_epochs, min_lr_ratio=a.min_lr_ratio,
                  max_grad_norm=a.max_grad_norm, max_tokens_per_device=a.max_tokens_per_device,
                  activation_checkpointing=cfg.model.activation_checkpointing, trainable=trainable,
+                 entropy_grad=cfg.algo.entropy_coef != 0,
                  sampling=(r.temperature, r.top_p, r.top_k))
 
 
@@ -124,4 +136,4 @@ def open_output(cfg: Config, rank: int, tokenizer_loaded) -> MetricsLogger:
 
 
 __all__ = ["validate_inputs", "format_prompts", "sampling_params", "pool_slots", "build_rollout_engine", "build_actor",
-           "start_processes", "prompt_sampler", "open_output", "load_tokenizer"]
+           "start_processes", "prompt_sampler", "open_output", "load_tokenizer", "filter_long_prompts"]
