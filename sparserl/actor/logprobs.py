@@ -37,6 +37,7 @@ def packed_logprobs(
     top_p: float = 1.0,
     top_k: int = 0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns response-aligned (b, T) log-probs and entropies (0 beyond each response's length)."""
     flat, pos, keep, targets, spans = [], [], [], [], []
@@ -60,8 +61,10 @@ def packed_logprobs(
     logp = logp_all.gather(-1, tgt[:, None]).squeeze(-1)  # (N,)
     ent = None
     if with_entropy:
-        p = logp_all.exp()
-        ent = -torch.where(p > 0, p * logp_all, torch.zeros_like(p)).sum(-1)  # (N,)
+        # Without a gradient (the usual case: entropy as a metric) this saves three (N, V) autograd buffers.
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            p = logp_all.exp()
+            ent = -torch.where(p > 0, p * logp_all, torch.zeros_like(p)).sum(-1)  # (N,)
     return unflatten(logp, seqs.resp_lens), (unflatten(ent, seqs.resp_lens) if ent is not None else None)
 
 
