@@ -57,7 +57,7 @@ class Compressor:
         tok = 0
         for seq in batch.decode + batch.prefill:
             st = self._get(seq)
-            n = len(seq.pending)
+            n = seq.num_pending
             take = min(n, self.window)
             for i in range(n - take, n):
                 src.append(tok + i)
@@ -156,5 +156,6 @@ class Compressor:
         st.appended_from = seq.num_cached
         scheduler.release_slots(seq, seq.slots[keep:])
         seq.slots = seq.slots[:keep]
+        seq.slots_version += 1
         seq.compressions += 1
         seq.compress_s += time.perf_counter() - t0

@@ -138,7 +138,7 @@ class NativeEngine:
         logits = self.runner.forward(batch, on_queries)  # (decode + prefill rows, V)
         computed = batch.decode + batch.prefill
         for seq in computed:
-            seq.num_cached += len(seq.pending)
+            seq.num_cached += seq.num_pending
         row_of = {id(s): i for i, s in enumerate(computed)}
         for seq in batch.forks:
             seq.num_cached = len(seq.prompt)
@@ -155,6 +155,7 @@ class NativeEngine:
             if reason is not None:
                 scheduler.finish(seq, reason)
                 sampler.forget(seq)
+                self.runner.table.forget(seq)
                 if self.compression is not None:
                     self.compression.forget(seq)
                 finished += 1

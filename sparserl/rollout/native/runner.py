@@ -23,6 +23,60 @@ def kv_geometry(config) -> tuple[int, int, int]:
     return text.num_hidden_layers, kv_heads, head_dim
 
 
+class SlotTable:
+    """Each running sequence's slot list mirrored in a device tensor, updated by appends.
+
+    Decode attention needs a (Bd, Lmax) index of slots every step; rebuilding it from Python lists costs
+    O(total cached tokens) per step, this costs O(new entries). A compaction (slots_version bump) rewrites
+    the sequence's row.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.table = torch.zeros((0, 0), dtype=torch.long, device=device)
+        self.rows: dict[int, list[int]] = {}  # seq_id -> [row, synced length, slots_version]
+        self.free: list[int] = []
+
+    def _reserve(self, n_rows: int, width: int) -> None:
+        rows, cols = self.table.shape
+        if n_rows <= rows and width <= cols:
+            return
+        grown = torch.zeros((max(n_rows, 2 * rows), max(width, 2 * cols, 64)), dtype=torch.long, device=self.device)
+        grown[:rows, :cols] = self.table
+        self.table = grown
+
+    def gather(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns decode slots (Bd, Lmax) and the additive mask (Bd, 1, 1, Lmax): 0 valid, -inf padding."""
+        rows_idx, cols, vals = [], [], []
+        for seq in seqs:
+            entry = self.rows.get(seq.seq_id)
+            if entry is None:
+                entry = self.rows[seq.seq_id] = [self.free.pop() if self.free else len(self.rows), 0, seq.slots_version]
+            if entry[2] != seq.slots_version:
+                entry[1], entry[2] = 0, seq.slots_version
+            row, synced = entry[0], entry[1]
+            new = seq.slots[synced:]
+            rows_idx.extend([row] * len(new))
+            cols.extend(range(synced, synced + len(new)))
+            vals.extend(new)
+            entry[1] = len(seq.slots)
+        lengths = [len(s.slots) for s in seqs]
+        lmax = max(lengths)
+        self._reserve(max(e[0] for e in self.rows.values()) + 1, lmax)
+        if vals:
+            self.table[torch.tensor(rows_idx, device=self.device), torch.tensor(cols, device=self.device)] = torch.tensor(vals, device=self.device)
+        rows = torch.tensor([self.rows[s.seq_id][0] for s in seqs], device=self.device)
+        index = self.table.index_select(0, rows)[:, :lmax]
+        valid = torch.arange(lmax, device=self.device)[None, :] < torch.tensor(lengths, device=self.device)[:, None]
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=self.device).masked_fill_(~valid, float("-inf"))
+        return index, bias[:, None, None, :]
+
+    def forget(self, seq: Sequence) -> None:
+        entry = self.rows.pop(seq.seq_id, None)
+        if entry is not None:
+            self.free.append(entry[0])
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int) -> None:
         self.model = model.eval()
@@ -33,6 +87,7 @@ class ModelRunner:
         self.num_slots = num_slots
         self.k_cache: list[torch.Tensor] | None = None
         self.v_cache: list[torch.Tensor] | None = None
+        self.table = SlotTable(self.device)
 
     @property
     def bytes_per_slot(self) -> int:
@@ -47,6 +102,7 @@ class ModelRunner:
 
     def release(self) -> None:
         self.k_cache = self.v_cache = None
+        self.table = SlotTable(self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -60,7 +116,7 @@ class ModelRunner:
         write: list[int] = []
         keep: list[int] = []
         for seq in batch.decode:
-            ids.append(seq.tokens[seq.num_cached])
+            ids.append(seq.output[-1])  # a decoding sequence feeds back its last sample
             pos.append(seq.num_cached)
             write.append(seq.slots[-1])
             keep.append(len(ids) - 1)
@@ -82,18 +138,8 @@ class ModelRunner:
             on_queries=on_queries,
         )
         if batch.decode:
-            ctx.decode_slots, ctx.decode_bias = self._decode_index([s.slots for s in batch.decode])
+            ctx.decode_slots, ctx.decode_bias = self.table.gather(batch.decode)
         return ctx, ids, pos, keep
-
-    def _decode_index(self, slot_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        lengths = self._tensor([len(s) for s in slot_lists])
-        lmax = int(lengths.max())
-        flat = self._tensor([x for s in slot_lists for x in s])
-        mask = torch.arange(lmax, device=self.device)[None, :] < lengths[:, None]  # (Bd, Lmax)
-        index = torch.zeros(mask.shape, dtype=torch.long, device=self.device)
-        index[mask] = flat
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=self.device).masked_fill_(~mask, float("-inf"))
-        return index, bias[:, None, None, :]
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, on_queries=None) -> torch.Tensor:

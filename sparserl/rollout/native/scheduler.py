@@ -25,7 +25,7 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(len(s.pending) for s in self.prefill)
+        return len(self.decode) + sum(s.num_pending for s in self.prefill)
 
     def __len__(self) -> int:
         return len(self.decode) + len(self.prefill) + len(self.forks)
@@ -66,7 +66,7 @@ class Scheduler:
             seq = self.waiting[0]
             leader = leaders.get(seq.request_index)
             fork = leader is not None and leader.prompt == seq.prompt and not seq.output
-            cost = 0 if fork else len(seq.pending)
+            cost = 0 if fork else seq.num_pending
             if not self._fits(seq, tokens, cost):
                 break
             self.waiting.popleft()
@@ -79,7 +79,7 @@ class Scheduler:
                 leaders.setdefault(seq.request_index, seq)
                 tokens += cost
         for seq in batch.decode + batch.prefill:
-            self._grow(seq, len(seq.pending))
+            self._grow(seq, seq.num_pending)
         for seq in batch.forks:
             self._grow(seq, len(seq.prompt))
         self.step_index += 1

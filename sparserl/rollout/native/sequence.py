@@ -25,6 +25,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # cache entries it holds, in cache order (all layers alike)
+    slots_version: int = 0  # bumped when `slots` is rewritten (compaction), not when it grows
     num_cached: int = 0  # logical tokens whose K/V went through the cache (compression does not lower it)
     fork_of: "Sequence | None" = None  # sibling whose prefill this one copies instead of recomputing
     finish_reason: str | None = None
@@ -44,9 +45,16 @@ class Sequence:
         return len(self.prompt) + len(self.output)
 
     @property
+    def num_pending(self) -> int:
+        return len(self.prompt) + len(self.output) - self.num_cached
+
+    @property
     def pending(self) -> list[int]:
         """Tokens that must go through the model before the next sample: the prompt (prefill) or the last sample."""
-        return self.tokens[self.num_cached:]
+        p = len(self.prompt)
+        if self.num_cached >= p:  # decoding: only output tokens are pending (no copy of the whole history)
+            return self.output[self.num_cached - p :]
+        return self.prompt[self.num_cached :] + self.output
 
     @property
     def next_position(self) -> int:
