@@ -4,9 +4,12 @@ Every DP rank trains on its own sequences. Losses are normalized by counts all-r
 minibatch and multiplied by the DP size before backward (FSDP2 averages gradients), so the update is the
 same for any world size and any micro-batch split. Ranks run the same number of forwards (short ranks run
 an empty micro-batch), because every FSDP2 forward and backward is a collective.
-Left out on purpose: tensor parallelism (parallelize.py grows it), CPU offload of optimizer state.
+Tensor parallelism is applied by parallelize.py (TP plans as data, vocabulary-parallel LM head).
+Left out on purpose: CPU offload of optimizer state.
 """
 from __future__ import annotations
+
+import contextlib
 
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -86,13 +89,13 @@ class Actor:
         count = all_reduce_max(torch.tensor([len(mbs)], device=self.device), self.dp_group)
         return mbs + [[] for _ in range(int(count.item()) - len(mbs))]
 
-    def _forward(self, batch: TrainBatch, mb: list[int], with_entropy: bool):
+    def _forward(self, batch: TrainBatch, mb: list[int], with_entropy: bool, hold_context=None):
         if not mb:  # keep the collectives in step with other ranks: a one-token dummy sequence
             seqs = PackedSeqs([[0, 0]], [1])
         else:
             seqs = PackedSeqs([batch.ids[i] for i in mb], [batch.prompt_lens[i] for i in mb])
         return packed_logprobs(self.model, seqs, self.device, self.temperature, self.top_p, self.top_k, with_entropy,
-                               self.entropy_grad)
+                               self.entropy_grad, hold_context)
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()
@@ -135,17 +138,18 @@ class Actor:
         out: dict[str, float] = {}
         computed = 0
         for mb in self._microbatches(batch, index):
-            logp, ent = self._forward(batch, mb, with_entropy)
-            if mb:
-                idx = torch.tensor(mb, dtype=torch.long, device=self.device)
-                loss, metrics = loss_fn(logp, ent, batch, idx, norm)
-                computed += 1
-                for key, v in metrics.items():
-                    out[key] = out.get(key, 0.0) + float(v)
-            else:
-                loss = logp.sum() * 0.0
-            # FSDP2 averages gradients over DP ranks; the loss is already globally normalized.
-            (loss * self.dp_size).backward()
+            with contextlib.ExitStack() as stack:  # the context outlives backward (activation checkpointing)
+                logp, ent = self._forward(batch, mb, with_entropy, hold_context=stack)
+                if mb:
+                    idx = torch.tensor(mb, dtype=torch.long, device=self.device)
+                    loss, metrics = loss_fn(logp, ent, batch, idx, norm)
+                    computed += 1
+                    for key, v in metrics.items():
+                        out[key] = out.get(key, 0.0) + float(v)
+                else:
+                    loss = logp.sum() * 0.0
+                # FSDP2 averages gradients over DP ranks; the loss is already globally normalized.
+                (loss * self.dp_size).backward()
         # Shares of globally normalized terms add up; per-micro-batch rates are averaged.
         return {k: v if k in _SUMMED else v / max(computed, 1) for k, v in out.items()}
 

@@ -3,16 +3,21 @@
 Sequences are concatenated into one `(1, L)` row with positions restarting at 0 per sequence; the
 attention function (rollout/native/attention.py, the same one the engine runs) keeps each sequence causal
 and separate, and the LM head runs only on the rows that predict response tokens. Log-probs use the
-sampler's transform (`processed_logprobs`), so they are comparable with the engine's `logp_sparse`.
+sampler's transform (`processed_logprobs`), so they are comparable with the engine's `logp_sparse`. When
+`parallelize` split the LM head by vocabulary over tp, the logits are this rank's (N, V/tp) slice and the
+log-probs come from `vocab_parallel_logprobs` (temperature only; top-p / top-k need the full vocabulary).
 Left out on purpose: a chunked/fused LM-head + log-softmax (the logits of one micro-batch's response
 tokens are materialized; bound them with actor.max_tokens_per_device).
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 import torch
 
+from sparserl.actor.vocab_parallel import vocab_parallel_logprobs, vocab_shard
 from sparserl.rollout.native.attention import ForwardContext, Span, forward_context
 from sparserl.rollout.sampling import processed_logprobs
 
@@ -38,8 +43,13 @@ def packed_logprobs(
     top_k: int = 0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    hold_context: contextlib.ExitStack | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns response-aligned (b, T) log-probs and entropies (0 beyond each response's length)."""
+    """Returns response-aligned (b, T) log-probs and entropies (0 beyond each response's length).
+
+    With `hold_context`, the forward context stays set until that stack closes: activation checkpointing
+    recomputes the attention during backward, which must still see this micro-batch's spans.
+    """
     flat, pos, keep, targets, spans = [], [], [], [], []
     for ids, p in zip(seqs.ids, seqs.prompt_lens):
         start = len(flat)
@@ -49,15 +59,25 @@ def packed_logprobs(
         targets.extend(ids[p:])
         spans.append(Span(start, len(flat)))
     ctx = ForwardContext(spans=spans)
-    with forward_context(ctx):
+    with contextlib.ExitStack() as local:
+        (hold_context or local).enter_context(forward_context(ctx))
         out = model(
             input_ids=torch.tensor([flat], device=device),
             position_ids=torch.tensor([pos], device=device),
             use_cache=False,
             logits_to_keep=torch.tensor(keep, device=device),
         )
-    logp_all = processed_logprobs(out.logits[0], temperature, top_p, top_k)  # (N, V) float32
     tgt = torch.tensor(targets, device=device)
+    shard = vocab_shard(model)
+    if shard is not None:
+        if top_p < 1.0 or top_k > 0:
+            raise NotImplementedError(f"rollout.top_p={top_p} / rollout.top_k={top_k} with parallel.tp > 1: the kept set needs "
+                                      "the full vocabulary, which a vocabulary-split LM head never gathers; use top_p=1, top_k=0")
+        logp, ent = vocab_parallel_logprobs(out.logits[0], tgt, shard.start, shard.group, temperature, with_entropy)  # (N,)
+        if ent is not None and not entropy_grad:
+            ent = ent.detach()
+        return unflatten(logp, seqs.resp_lens), (unflatten(ent, seqs.resp_lens) if ent is not None else None)
+    logp_all = processed_logprobs(out.logits[0], temperature, top_p, top_k)  # (N, V) float32
     logp = logp_all.gather(-1, tgt[:, None]).squeeze(-1)  # (N,)
     ent = None
     if with_entropy:

@@ -1,12 +1,25 @@
-"""Apply parallelism to a Hugging Face decoder: FSDP2 `fully_shard` per decoder layer, then the root.
+"""Apply parallelism to a Hugging Face decoder: the tensor-parallel plan on "tp", then FSDP2 on "dp".
 
-Model code never imports this; plans are data. Left out on purpose (for now): tensor parallel plans,
-which apply before FSDP2 on the "tp" mesh axis.
+Tensor parallelism comes first (tp_plans.py says which module is split how); afterwards every parameter is
+a DTensor on the tp mesh, and FSDP2 `fully_shard` (per decoder layer, then the root) shards those over dp,
+giving 2-D (dp, tp) parameters. With the LM head split by vocabulary, the model's logits are each rank's
+(N, V/tp) slice; the vocabulary range is recorded on the model (`vocab_parallel.vocab_shard`) so the
+log-prob code knows to combine slices instead of calling a dense log-softmax.
+Model code never imports this. Left out on purpose: sequence parallelism, pipeline parallelism, and
+tp-aware rollout engines (the native engine holds a full copy of the weights).
 """
 from __future__ import annotations
 
+from fnmatch import fnmatch
+
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from sparserl.actor.tp_plans import tp_plan
+from sparserl.actor.vocab_parallel import ATTR, VocabShard
+from sparserl.parallel import ParallelDims
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -18,11 +31,86 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def parallelize(model: torch.nn.Module, mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32):
-    if mesh["tp"].size() > 1:
-        raise NotImplementedError("parallel.tp > 1 is not supported yet; use parallel.tp=1")
+    tp = mesh["tp"]
+    if tp.size() > 1:
+        apply_tensor_parallel(model, tp)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     dp = mesh["dp"]
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp, mp_policy=mp)
     fully_shard(model, mesh=dp, mp_policy=mp)
     return model
+
+
+# ---------------------------------------------------------------------------------------------- tensor parallel
+class ReplicateParallel(ParallelStyle):
+    """Parameters become Replicate DTensors on the tp mesh; the module computes on DTensors made from its local
+    inputs (declared with `input_layout`) and returns local tensors.
+
+    With a Replicate input (norms on the replicated activation) every rank computes identical values and
+    gradients. With a Shard input (per-head norms on the local heads) the weight gradient comes out Partial and
+    FSDP2 sums it over tp when it reduces gradients.
+    """
+
+    def __init__(self, input_layout: Placement = Replicate()):
+        super().__init__()
+        self.input_layout = input_layout
+
+    def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
+        layout = self.input_layout
+
+        def inputs_to_dtensor(mod, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, (layout,), run_check=False)
+                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+        def output_to_local(mod, output, mesh):
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        # partition_fn=None: every parameter of the module is replicated.
+        return distribute_module(module, device_mesh, None, inputs_to_dtensor, output_to_local)
+
+
+def _styles() -> dict[str, ParallelStyle]:
+    return {
+        "colwise": ColwiseParallel(),
+        "rowwise": RowwiseParallel(),
+        "vocab_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "vocab_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),  # logits stay (N, V/tp)
+        "replicate": ReplicateParallel(),
+        "head_norm": ReplicateParallel(Shard(2)),  # input (B, T, H_local, D): split over heads
+    }
+
+
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
+    """Split `model` over the 1-D `tp_mesh` in place, following its family's plan."""
+    ParallelDims(dp=1, tp=tp_mesh.size()).validate_model(model.config)
+    plan = tp_plan(model.config)
+    styles = _styles()
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    matched = {key: 0 for key in plan}
+    for name, module in list(model.named_modules()):
+        key = next((k for k in plan if fnmatch(name, k)), None)
+        if key is not None:
+            # src_data_rank=None: every rank loaded the same checkpoint, so each keeps its own slice (no scatter).
+            parallelize_module(module, tp_mesh, styles[plan[key]], src_data_rank=None)
+            matched[key] += 1
+    missing = [k for k, n in matched.items() if n == 0]
+    if missing:
+        raise ValueError(f"tensor-parallel plan for model_type={model.config.model_type!r}: no module matches {missing}")
+    if tied:  # both sides were split by vocabulary rows into equal slices: share one parameter again
+        head.weight = embed.weight
+    loose = [n for n, p in model.named_parameters() if not (isinstance(p, DTensor) and p.device_mesh == tp_mesh)]
+    if loose:
+        raise ValueError(f"tensor-parallel plan for model_type={model.config.model_type!r} leaves parameters unsplit: "
+                         f"{loose[:4]}{'...' if len(loose) > 4 else ''}")
+    setattr(model, ATTR, _vocab_shard(head.weight, tp_mesh))
+
+
+def _vocab_shard(weight: DTensor, tp_mesh) -> VocabShard:
+    V = weight.shape[0]
+    size = weight.to_local().shape[0]
+    chunk = -(-V // tp_mesh.size())  # DTensor Shard(0) splits like torch.chunk
+    start = min(tp_mesh.get_local_rank() * chunk, V)
+    assert size == min(chunk, V - start), (size, chunk, V, start)
+    return VocabShard(start=start, size=size, group=tp_mesh.get_group())

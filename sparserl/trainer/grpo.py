@@ -74,7 +74,8 @@ def train(cfg: Config) -> None:
         # 1-3: rollout with fresh weights, then give the KV memory back for training.
         engine.wake()
         engine.reset_stats()
-        engine.seed = cfg.trainer.seed * 1_000_003 + step * 7_919 + info.rank
+        # Keyed by the DP rank: the TP ranks of one group must draw the same samples.
+        engine.seed = cfg.trainer.seed * 1_000_003 + step * 7_919 + mesh["dp"].get_local_rank()
         with timers("rollout"), progress(len(step_rows) * params.n, f"rollout {step}", info.rank, cfg.logger.progress) as bar:
             samples, rollout_metrics = rollout(_Progress(engine, bar), tokenizer, inputs.env, step_rows, texts, params,
                                                max_turns=cfg.env.max_turns)

@@ -1,4 +1,5 @@
-"""One update's loss and gradients do not depend on the number of processes or micro-batches (fp32)."""
+"""One update's loss and gradients do not depend on the number of processes, micro-batches or activation
+checkpointing (fp32)."""
 import os
 import subprocess
 import sys
@@ -11,10 +12,10 @@ WORKER = Path(__file__).with_name("update_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(ckpt, out, max_tokens, nproc):
+def run(ckpt, out, max_tokens, nproc, *extra):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     if nproc == 1:
-        cmd = [sys.executable, str(WORKER), str(ckpt), str(out), str(max_tokens)]
+        cmd = [sys.executable, str(WORKER), str(ckpt), str(out), str(max_tokens), *extra]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
                str(WORKER), str(ckpt), str(out), str(max_tokens)]
@@ -26,10 +27,11 @@ def test_update_invariance(tiny_checkpoint, tmp_path):
     run(tiny_checkpoint, tmp_path / "one", 10_000, 1)
     run(tiny_checkpoint, tmp_path / "four", 25, 1)  # 4 micro-batches
     run(tiny_checkpoint, tmp_path / "two", 10_000, 2)
+    run(tiny_checkpoint, tmp_path / "ac", 25, 1, "ac")  # activation checkpointing recomputes inside backward
     for agg in ("token", "sequence"):
         ref = torch.load(tmp_path / f"one.{agg}.pt")
         assert ref["microbatches"] == 1
-        for other in ("four", "two"):
+        for other in ("four", "two", "ac"):
             got = torch.load(tmp_path / f"{other}.{agg}.pt")
             if other == "four":
                 assert got["microbatches"] == 4

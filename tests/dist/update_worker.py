@@ -1,6 +1,6 @@
 """Run one update's forward/backward on a fixed batch and save loss + full gradients (used by the tests).
 
-    torchrun --nproc_per_node=N tests/dist/update_worker.py CKPT OUT MAX_TOKENS
+    torchrun --nproc_per_node=N tests/dist/update_worker.py CKPT OUT MAX_TOKENS [ac]
 Every rank takes its contiguous share of the same 8 sequences.
 """
 import sys
@@ -37,9 +37,11 @@ def fixed_batch(rank: int, world: int) -> TrainBatch:
 
 def main() -> None:
     ckpt, out, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    checkpointing = len(sys.argv) > 4 and sys.argv[4] == "ac"
     info = init_distributed("cpu")
     mesh = ParallelDims.from_world(info.world_size, 1).build_mesh("cpu")
-    actor = Actor(ckpt, mesh, info.device, dtype="float32", compute_dtype="float32", max_tokens_per_device=max_tokens)
+    actor = Actor(ckpt, mesh, info.device, dtype="float32", compute_dtype="float32", max_tokens_per_device=max_tokens,
+                  activation_checkpointing=checkpointing)
     batch = fixed_batch(info.rank, info.world_size)
     for agg in ("token", "sequence"):
         cfg = LossConfig(loss_agg=agg, clip_low=0.2, clip_high=0.28)
