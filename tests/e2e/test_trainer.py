@@ -63,7 +63,8 @@ def task(tmp_path):
 def test_dense_run_parity_env_errors_and_export(tiny_checkpoint, task, tmp_path):
     data, env = task
     out = tmp_path / "run"
-    res = trainer(tiny_args(tiny_checkpoint, data, env, out))
+    # The correction is on: with dense rollouts it must change nothing beyond numerical noise.
+    res = trainer(tiny_args(tiny_checkpoint, data, env, out, **{"+preset": "dense", "algo.correction.enable": "true"}))
     assert res.returncode == 0, res.stderr[-3000:]
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
@@ -72,6 +73,8 @@ def test_dense_run_parity_env_errors_and_export(tiny_checkpoint, task, tmp_path)
         # The prompt whose env step raises: its 2 samples get reward 0 and status error; training goes on.
         assert m["env/error_count"] == 2 and m["env/error_frac"] == pytest.approx(2 / 8)
         assert m["actor/grad_norm"] > 0
+        assert 1 - 1e-4 < m["correction/weight_min"] <= m["correction/weight_max"] < 1 + 1e-4
+        assert m["correction/rejected_seq_frac"] == 0 and m["correction/kept_token_frac"] == 1.0
     assert (out / "config.yaml").exists()
     from transformers import AutoModelForCausalLM
 
