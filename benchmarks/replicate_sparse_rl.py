@@ -1,0 +1,254 @@
+"""Small-scale replication of Sparse-RL: dense vs naive-sparse vs Sparse-RL GRPO on a recall task.
+
+    python benchmarks/replicate_sparse_rl.py --out outputs/replicate            # the full run (CPU, < 60 min)
+    python benchmarks/replicate_sparse_rl.py --out /tmp/replicate_smoke --quick  # a 2-step smoke run
+
+The task (envs/recall.py) states a few codes early in the prompt, then filler, then asks for one code. With
+`rollout.kv.compress_prompt=true`, a KV budget well under the prompt length and a short `divide_length`,
+R-KV compresses every sequence at its first decode step, so the facts can be evicted before the answer is
+written; dense rollouts always see them. The script runs, printing every command before it runs it:
+
+1. the data files: GRPO prompts (`make_prompts`) and warm-start examples (`make_sft_examples`, a separate
+   random stream) with the chosen task size, under OUT/data/;
+2. a supervised warm-start of SmolLM2-135M-Instruct on the answer format (`sparserl.trainer.sft`), skipped
+   when OUT/sft/hf exists (`--redo-sft` reruns it);
+3. three GRPO runs from that checkpoint with `+preset=dense`, `+preset=naive_sparse`, `+preset=sparse_rl`
+   and the same seeds, steps, prompts and KV settings (OUT/<preset>/, logs in OUT/<preset>.log); a finished
+   run made by the same command (OUT/<preset>.cmd) is not rerun;
+4. OUT/reward.png (reward/mean against step, one line per run) and a markdown table, also written to
+   OUT/summary.md: final reward (mean of the last `--last-k` steps), gain over step 1, KV retained fraction
+   and pool peak (`kv/retained_frac`, `kv/peak_gb`), mismatch KL (`mismatch/kl`), rejected sequences
+   (`correction/rejected_seq_frac`) and seconds per step, all means over steps except the reward columns.
+   Rewards are those of each run's own training rollouts: compressed ones for the two sparse runs.
+
+`kv/peak_gb` is the high-water mark of the step's KV pool: every sequence holds its whole prompt until its
+first decode step compresses it, so with short responses the peak is close to dense; `kv/retained_frac`
+(slots held at the end over the dense length) is where the saving shows.
+
+The default sizes (4 facts, 6 filler sentences: ~158-token prompts; budget 64 with divide_length 16, so every
+sequence is compressed to ~40% of its prompt at its first decode step; a 12-step warm-start, which takes the
+model from 0.05 to ~0.95 dense reward and ~0.2 under this compression; 4 prompts x 8 samples per step,
+10 steps) are chosen so that the warm-start and the three runs fit in an hour on a 2-core CPU.
+Left out on purpose: evaluation on held-out prompts (the reward curves are on-policy training rewards) and
+repeated seeds; rerun with `--seed` for those.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from benchmarks.common import machine, print_table  # noqa: E402
+
+PRESETS = ("dense", "naive_sparse", "sparse_rl")
+ENV_PATH = "envs/recall.py"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="folder for data, runs, plot and table "
+                    "(default outputs/replicate_sparse_rl, or outputs/replicate_sparse_rl_quick with --quick)")
+    ap.add_argument("--steps", type=int, default=10, help="GRPO steps per run")
+    ap.add_argument("--budget", type=int, default=64, help="rollout.kv.budget (entries kept, window included)")
+    ap.add_argument("--divide-length", type=int, default=16, help="rollout.kv.divide_length")
+    ap.add_argument("--quick", action="store_true", help="2-step smoke configuration (2 SFT steps, 2 GRPO steps, tiny batches)")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="model.path of the warm-start")
+    ap.add_argument("--seed", type=int, default=0, help="trainer.seed of every run; the data files use it too")
+    ap.add_argument("--facts", type=int, default=4, help="codes stated per prompt")
+    ap.add_argument("--filler", type=int, default=6, help="filler sentences between the codes and the question")
+    ap.add_argument("--prompts-per-step", type=int, default=4)
+    ap.add_argument("--n", type=int, default=8, help="rollout.n, samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--lr", type=float, default=1e-5, help="GRPO actor.lr")
+    ap.add_argument("--sft-steps", type=int, default=12)
+    ap.add_argument("--sft-batch", type=int, default=8)
+    ap.add_argument("--sft-lr", type=float, default=1e-4)
+    ap.add_argument("--redo-sft", action="store_true", help="rerun the warm-start even if OUT/sft/hf exists")
+    ap.add_argument("--nproc", type=int, default=1, help="processes per run: 1 runs python -m, more run torchrun")
+    ap.add_argument("--last-k", type=int, default=3, help="final reward = mean of the last k steps")
+    ap.add_argument("--keep-checkpoints", action="store_true", help="keep each run's DCP checkpoints (~1.6 GB each)")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands and stop")
+    ap.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for the GRPO runs")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.sft_steps, args.sft_batch = 2, 2, 2
+        args.prompts_per_step, args.n, args.max_new_tokens, args.last_k = 2, 4, 16, 1
+    if args.out is None:
+        args.out = "outputs/replicate_sparse_rl" + ("_quick" if args.quick else "")
+    if args.budget <= 8:
+        ap.error("--budget must be larger than the R-KV window (8)")
+    return args
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def python_module(module: str, nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", module]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module]
+
+
+def sft_command(args, out: Path, data: Path) -> list[str]:
+    return python_module("sparserl.trainer.sft") + [
+        f"model.path={args.model}", f"env.path={ENV_PATH}", f"data.train_path={data}", f"trainer.output_dir={out}",
+        f"trainer.total_steps={args.sft_steps}", f"trainer.prompts_per_step={args.sft_batch}", f"actor.lr={args.sft_lr}",
+        f"actor.warmup_steps={min(3, args.sft_steps - 1)}", f"trainer.seed={args.seed}",
+    ]
+
+
+def grpo_command(args, preset: str, model: Path, data: Path, out: Path) -> list[str]:
+    # The KV keys are set for every preset (the dense one ignores them), so the runs differ only in the preset.
+    return python_module("sparserl.trainer.grpo", args.nproc) + [
+        f"+preset={preset}", f"model.path={model}", f"env.path={ENV_PATH}", f"data.train_path={data}",
+        f"trainer.output_dir={out}", f"trainer.total_steps={args.steps}", f"trainer.prompts_per_step={args.prompts_per_step}",
+        f"trainer.seed={args.seed}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"actor.lr={args.lr}", f"rollout.kv.budget={args.budget}", f"rollout.kv.divide_length={args.divide_length}",
+        "rollout.kv.compress_prompt=true", *args.override,
+    ]
+
+
+def run(cmd: list[str], log: Path) -> float:
+    """Run `cmd` from the repo root, echoing its output and keeping it in `log`; exit on failure."""
+    print(f"\n$ {shlex.join(cmd)}", flush=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "SPARSERL_PROGRESS": "0"}
+    t0 = time.perf_counter()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w", encoding="utf-8") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            f.write(line)
+            if not line.startswith("Loading weights"):
+                print("  " + line, end="", flush=True)
+        code = proc.wait()
+    if code != 0:
+        sys.exit(f"the command above failed with exit code {code}; its output is in {log}")
+    return time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------- data and results
+
+
+def write_data(args, folder: Path) -> tuple[Path, Path]:
+    from sparserl.utils.envload import load_env
+
+    env = load_env(str(ROOT / ENV_PATH)).module
+    size = dict(num_facts=args.facts, filler_sentences=args.filler)
+    num_prompts = max(256, args.steps * args.prompts_per_step)
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts, sft = folder / "prompts.jsonl", folder / "sft.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in env.make_prompts(num_prompts, args.seed, **size)))
+    sft.write_text("".join(json.dumps(r) + "\n" for r in env.make_sft_examples(max(512, args.sft_steps * args.sft_batch),
+                                                                                args.seed, **size)))
+    return prompts, sft
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        rows[row["step"]] = row
+    return [rows[s] for s in sorted(rows)]
+
+
+def mean_of(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return sum(values) / len(values) if values else None
+
+
+def summary_rows(runs: dict[str, Path], last_k: int) -> list[list]:
+    table = []
+    for name, run_dir in runs.items():
+        rows = read_metrics(run_dir)
+        if not rows:
+            continue
+        final = mean_of(rows[-last_k:], "reward/mean")
+        first = rows[0].get("reward/mean")
+        table.append([
+            name, len(rows), fmt(first), fmt(final), fmt(None if final is None or first is None else final - first, sign=True),
+            fmt(mean_of(rows, "kv/retained_frac")), fmt(mean_of(rows, "kv/peak_gb"), digits=4),
+            fmt(mean_of(rows, "mismatch/kl"), sci=True), fmt(mean_of(rows, "correction/rejected_seq_frac")),
+            fmt(mean_of(rows, "response/len_mean"), digits=1), fmt(mean_of(rows, "perf/step_s"), digits=1),
+        ])
+    return table
+
+
+def fmt(x: float | None, digits: int = 3, sign: bool = False, sci: bool = False) -> str:
+    if x is None:
+        return "-"
+    if sci:
+        return f"{x:.2e}"
+    return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    out = Path(args.out).resolve()
+    data_dir, sft_dir = out / "data", out / "sft"
+    runs = {p: out / p for p in PRESETS}
+    print(f"machine: {machine()}", flush=True)
+    prompts, sft_data = (data_dir / "prompts.jsonl", data_dir / "sft.jsonl")
+    commands = [sft_command(args, sft_dir, sft_data)] + [grpo_command(args, p, sft_dir / "hf", prompts, runs[p]) for p in PRESETS]
+    if args.dry_run:
+        for cmd in commands:
+            print(shlex.join(cmd))
+        return
+
+    prompts, sft_data = write_data(args, data_dir)
+    print(f"data: {prompts} and {sft_data} ({args.facts} facts, {args.filler} filler sentences, seed {args.seed})")
+    seconds = {}
+    if args.redo_sft or not (sft_dir / "hf" / "config.json").exists():
+        seconds["sft"] = run(commands[0], out / "sft.log")
+    else:
+        print(f"\nwarm-start: reusing {sft_dir / 'hf'} (--redo-sft reruns it)")
+    for preset, cmd in zip(PRESETS, commands[1:]):
+        stamp = out / f"{preset}.cmd"  # a finished run is reused only if the same command made it
+        if (len(read_metrics(runs[preset])) >= args.steps and (runs[preset] / "hf").exists() and stamp.exists()
+                and stamp.read_text() == shlex.join(cmd)):
+            print(f"\n{preset}: {runs[preset]} already has its {args.steps} steps from this command; not rerun")
+            continue
+        stamp.unlink(missing_ok=True)
+        seconds[preset] = run(cmd, out / f"{preset}.log")
+        stamp.write_text(shlex.join(cmd))
+        if not args.keep_checkpoints:
+            shutil.rmtree(runs[preset] / "checkpoints", ignore_errors=True)
+
+    from plot_metrics import plot_runs
+
+    smooth = 3 if args.steps >= 6 else 1
+    png = plot_runs([runs[p] for p in PRESETS], "reward/mean", out / "reward.png", labels=list(PRESETS), smooth=smooth,
+                    title=f"recall task, R-KV budget {args.budget} (compress_prompt), reward/mean")
+    print(f"\nplot: {png}")
+    headers = ["run", "steps", "reward step 1", f"final reward (last {args.last_k})", "gain", "kv retained frac",
+               "kv peak GB", "mismatch KL", "rejected seq frac", "resp len", "s/step"]
+    print()
+    text = print_table(headers, summary_rows(runs, args.last_k),
+                       title=f"dense vs naive sparse vs Sparse-RL, budget {args.budget}, {args.steps} steps, seed {args.seed}")
+    timing = ", ".join(f"{k} {v / 60:.1f} min" for k, v in seconds.items())
+    print(f"\nwall time: {timing or 'nothing rerun'}")
+    cmds = "\n".join(shlex.join(c) for c in commands)
+    (out / "summary.md").write_text(f"{text}\n\nmachine: {machine()}\nwall time: {timing}\n\n```\n{cmds}\n```\n")
+    print(f"summary: {out / 'summary.md'}")
+
+
+if __name__ == "__main__":
+    main()
