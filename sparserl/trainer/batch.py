@@ -6,6 +6,8 @@ whose rewards have zero variance) and partial rollouts.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from sparserl.actor.actor import TrainBatch
@@ -36,10 +38,8 @@ def to_train_batch(samples: list[Sample], device) -> tuple[TrainBatch, torch.Ten
 
 
 def correction_config(algo: AlgoConfig) -> CorrectionConfig:
-    c = algo.correction
-    return CorrectionConfig(enable=c.enable, mode=c.mode, is_cap=c.is_cap, is_batch_normalize=c.is_batch_normalize,
-                            apply_to_kl=c.apply_to_kl, veto=c.veto, token_low=c.token_low, token_high=c.token_high,
-                            geo_low=c.geo_low, geo_high=c.geo_high, rejected_in_baseline=c.rejected_in_baseline)
+    # The config schema mirrors CorrectionConfig field for field (only the `enable` default differs).
+    return CorrectionConfig(**dataclasses.asdict(algo.correction))
 
 
 def apply_correction(algo: AlgoConfig, batch: TrainBatch, logp_sparse: torch.Tensor, dp_group) -> tuple[torch.Tensor, dict]:

@@ -6,6 +6,8 @@ Left out on purpose: evaluation datasets during training (run `sparserl.eval` st
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,11 +69,8 @@ def filter_long_prompts(cfg: Config, rows: list[PromptRow], prompts: list[str], 
 
 
 def kv_policy(cfg: Config) -> KVPolicyConfig:
-    k = cfg.rollout.kv
-    try:
-        return KVPolicyConfig(algorithm=k.algorithm, budget=k.budget, window=k.window, divide_method=k.divide_method,
-                              divide_length=k.divide_length, mix_lambda=k.mix_lambda, kernel=k.kernel,
-                              sim_threshold=k.sim_threshold, sinks=k.sinks, share=k.share, compress_prompt=k.compress_prompt)
+    try:  # rollout.kv mirrors KVPolicyConfig field for field
+        return KVPolicyConfig(**dataclasses.asdict(cfg.rollout.kv))
     except ValueError as e:
         raise UserError(f"rollout.kv: {e}") from None
 
