@@ -89,6 +89,7 @@ class ActorConfig:
     max_tokens_per_device: int = 8192  # tokens per packed micro-batch
     updates_per_rollout: int = 1  # optimizer steps per rollout (minibatches)
     ppo_epochs: int = 1
+    balance_ranks: bool = True  # move sequences between DP ranks before the update so token loads are equal
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The actor: an FSDP2-sharded Hugging Face model, its optimizer, log-prob recompute and the PPO update.
 
-Every DP rank trains on its own sequences. Losses are normalized by counts all-reduced over the whole
+Every DP rank trains on its own share of the sequences (the trainer first balances token counts across
+ranks, trainer/batch.py `balance_ranks`). Losses are normalized by counts all-reduced over the whole
 minibatch and multiplied by the DP size before backward (FSDP2 averages gradients), so the update is the
 same for any world size and any micro-batch split. Ranks run the same number of forwards (short ranks run
 an empty micro-batch), because every FSDP2 forward and backward is a collective.
@@ -22,7 +23,7 @@ from sparserl.actor.logprobs import PackedSeqs, packed_logprobs
 from sparserl.actor.optim import build_optimizer, build_scheduler
 from sparserl.actor.parallelize import parallelize
 from sparserl.algo.aggregation import Normalizer
-from sparserl.data.packing import split_microbatches
+from sparserl.data.packing import contiguous_minibatches, split_microbatches
 from sparserl.parallel import all_reduce_max, all_reduce_sum
 from sparserl.rollout.native.attention import use_packed_attention
 
@@ -111,15 +112,18 @@ class Actor:
 
     # ------------------------------------------------------------------ update
     def update(self, batch: TrainBatch, loss_fn: LossFn, num_minibatches: int = 1, epochs: int = 1,
-               with_entropy: bool = True) -> dict[str, float]:
+               with_entropy: bool = True, minibatches: list[list[int]] | None = None) -> dict[str, float]:
+        """One optimizer step per minibatch, `epochs` times. Minibatches are this rank's share of each step's
+        sequences: `num_minibatches` contiguous slices unless given (every rank must give the same count)."""
         assert self.optimizer is not None, "this actor is frozen"
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         grad_norms = []
-        n = len(batch)
+        if minibatches is None:
+            minibatches = contiguous_minibatches(len(batch), num_minibatches)
+        num_minibatches = len(minibatches)
         for _ in range(epochs):
-            for k in range(num_minibatches):
-                index = list(range(k * n // num_minibatches, (k + 1) * n // num_minibatches))
+            for index in minibatches:
                 for key, v in self.accumulate_gradients(batch, loss_fn, index, with_entropy).items():
                     sums[key] = sums.get(key, 0.0) + v
                     counts[key] = counts.get(key, 0) + 1

@@ -73,6 +73,11 @@ def plan_microbatches(lengths: list[int], dp_size: int, max_tokens: int) -> list
     return plan
 
 
+def contiguous_minibatches(n: int, k: int) -> list[list[int]]:
+    """The k contiguous slices of range(n): one rank's share of each optimizer step's sequences."""
+    return [list(range(i * n // k, (i + 1) * n // k)) for i in range(k)]
+
+
 def flatten_plan(plan: list[list[list[int]]]) -> list[int]:
     """The global indices in plan order: rank by rank, micro-batch by micro-batch."""
     return [i for rank in plan for mb in rank for i in mb]

@@ -1,7 +1,8 @@
 """From rollout samples to the tensors of one update: padding, advantages, correction, the loss closure.
 
-Pure functions over this rank's samples plus the all-reduces that make normalizers global. The trainer
-calls them in order; each returns its metrics. Left out on purpose: dynamic sampling (dropping groups
+Pure functions over this rank's samples plus the all-reduces that make normalizers global, and
+`balance_ranks`, which moves sequences between DP ranks before the update. The trainer calls them in
+order; each returns its metrics. Left out on purpose: dynamic sampling (dropping groups
 whose rewards have zero variance) and partial rollouts.
 """
 from __future__ import annotations
@@ -9,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
 from sparserl.actor.actor import TrainBatch
 from sparserl.algo.advantages import compute_advantages
 from sparserl.algo.correction import CorrectionConfig, correct, dist_reduce_sum
 from sparserl.algo.loss import LossConfig, kl_reward_penalty, policy_objective
 from sparserl.config import AlgoConfig
+from sparserl.data.packing import balanced_partition, contiguous_minibatches
 from sparserl.rollout.worker import Sample
 
 
@@ -86,3 +89,56 @@ def make_loss_fn(cfg: LossConfig):
         )
 
     return loss_fn
+
+
+_PER_TOKEN = ("mask", "logp_old", "logp_ref", "weights", "kl_weights")
+
+
+def balance_ranks(batch: TrainBatch, num_minibatches: int, dp_group) -> tuple[TrainBatch, list[list[int]], dict]:
+    """Moves sequences between DP ranks so that every rank trains on a near-equal number of tokens.
+
+    Rollouts are colocated, so each rank starts with the sequences its own engine sampled, and their token
+    counts differ (long-tailed response lengths). Every FSDP collective waits for the slowest rank, so the
+    update time follows the heaviest one. Each global minibatch (the union of every rank's k-th contiguous
+    slice, which is what `Actor.update` would train on at optimizer step k) is split over the ranks by
+    Karmarkar-Karp on token counts. The optimizer steps therefore see the same sequence sets as without
+    balancing, and since losses are normalized by all-reduced counts, the update is the same up to the order
+    of floating-point sums. Returns this rank's new batch, its minibatches (local indices, one list per
+    optimizer step) and metrics (max/mean token load over ranks, before and after).
+    """
+    world = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+    home = contiguous_minibatches(len(batch), num_minibatches)
+    if world == 1:
+        return batch, home, {}
+    rank = dist.get_rank(dp_group)
+    fields = [f for f in _PER_TOKEN if getattr(batch, f) is not None]
+    mine = []
+    for k, index in enumerate(home):
+        for i in index:
+            r = len(batch.ids[i]) - batch.prompt_lens[i]
+            mine.append((k, batch.ids[i], batch.prompt_lens[i], float(batch.advantages[i]),
+                         [getattr(batch, f)[i, :r].detach().cpu() for f in fields]))
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine, group=dp_group)
+    before = [sum(len(seq[1]) for seq in part) for part in everyone]
+    rows, minibatches, after = [], [], [0] * world
+    for k in range(num_minibatches):
+        pool = [seq for part in everyone for seq in part if seq[0] == k]  # same order on every rank
+        lengths = [len(seq[1]) for seq in pool]
+        parts = balanced_partition(lengths, world)  # deterministic: every rank computes the same split
+        for r, share in enumerate(parts):
+            after[r] += sum(lengths[j] for j in share)
+        minibatches.append(list(range(len(rows), len(rows) + len(parts[rank]))))
+        rows.extend(pool[j] for j in parts[rank])
+    device = batch.mask.device
+    T = max([1] + [len(seq[4][0]) for seq in rows])
+    new = TrainBatch(ids=[seq[1] for seq in rows], prompt_lens=[seq[2] for seq in rows],
+                     mask=batch.mask, advantages=torch.tensor([seq[3] for seq in rows], dtype=torch.float32, device=device))
+    for j, f in enumerate(fields):
+        t = torch.zeros(len(rows), T, dtype=getattr(batch, f).dtype)
+        for i, seq in enumerate(rows):
+            t[i, : len(seq[4][j])] = seq[4][j]
+        setattr(new, f, t.to(device))
+    mean = max(sum(before) / world, 1e-9)
+    metrics = {"perf/dp_load_imbalance_before": max(before) / mean, "perf/dp_load_imbalance": max(after) / mean}
+    return new, minibatches, metrics

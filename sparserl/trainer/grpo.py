@@ -20,7 +20,8 @@ from sparserl.config import Config, load_config
 from sparserl.rollout.weight_sync import sync_weights
 from sparserl.rollout.worker import rollout
 from sparserl.trainer import setup as S
-from sparserl.trainer.batch import apply_correction, loss_config, make_loss_fn, set_advantages, to_train_batch
+from sparserl.trainer.batch import (apply_correction, balance_ranks, loss_config, make_loss_fn, set_advantages,
+                                    to_train_batch)
 from sparserl.trainer.metrics import gather_step_metrics
 from sparserl.utils.errors import run_main
 from sparserl.utils.logging import log0, progress
@@ -92,16 +93,21 @@ def train(cfg: Config) -> None:
         rejected, correction_metrics = apply_correction(cfg.algo, batch, logp_sparse, actor.dp_group)
         adv_metrics = set_advantages(cfg.algo, batch, samples, params.n, rejected, loss_cfg)
 
-        # 7: the update, then fresh weights into the engine.
+        # 7: the update (sequences first spread so every DP rank trains on the same number of tokens), then
+        # fresh weights into the engine.
         with timers("update"):
-            actor_metrics = actor.update(batch, make_loss_fn(loss_cfg), cfg.actor.updates_per_rollout, cfg.actor.ppo_epochs)
+            minibatches, balance_metrics = None, {}
+            if cfg.actor.balance_ranks:
+                batch, minibatches, balance_metrics = balance_ranks(batch, cfg.actor.updates_per_rollout, actor.dp_group)
+            actor_metrics = actor.update(batch, make_loss_fn(loss_cfg), cfg.actor.updates_per_rollout, cfg.actor.ppo_epochs,
+                                         minibatches=minibatches)
         with timers("weight_sync"):
             sync_weights(actor.full_state(), engine)
 
         # 8: metrics and checkpoints.
         metrics = gather_step_metrics(step, samples, rollout_metrics, engine.stats(), batch, timers.pop(),
                                       time.perf_counter() - t_step, actor.dp_group, info.device)
-        metrics.update(correction_metrics | adv_metrics | actor_metrics)
+        metrics.update(correction_metrics | adv_metrics | balance_metrics | actor_metrics)
         metrics["mem/peak_gb"] = peak_memory_gb(info.device)
         logger.log(step, metrics)
         last = step == cfg.trainer.total_steps or step == cfg.trainer.stop_after

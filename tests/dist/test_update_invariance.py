@@ -1,5 +1,5 @@
-"""One update's loss and gradients do not depend on the number of processes, micro-batches or activation
-checkpointing (fp32)."""
+"""One update's loss and gradients do not depend on the number of processes, micro-batches, activation
+checkpointing or moving sequences between ranks to balance their token loads (fp32)."""
 import os
 import subprocess
 import sys
@@ -18,7 +18,7 @@ def run(ckpt, out, max_tokens, nproc, *extra):
         cmd = [sys.executable, str(WORKER), str(ckpt), str(out), str(max_tokens), *extra]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-               str(WORKER), str(ckpt), str(out), str(max_tokens)]
+               str(WORKER), str(ckpt), str(out), str(max_tokens), *extra]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
 
@@ -28,10 +28,16 @@ def test_update_invariance(tiny_checkpoint, tmp_path):
     run(tiny_checkpoint, tmp_path / "four", 25, 1)  # 4 micro-batches
     run(tiny_checkpoint, tmp_path / "two", 10_000, 2)
     run(tiny_checkpoint, tmp_path / "ac", 25, 1, "ac")  # activation checkpointing recomputes inside backward
+    run(tiny_checkpoint, tmp_path / "balanced", 10_000, 2, "balance")  # 6 + 2 sequences, then balanced
     for agg in ("token", "sequence"):
         ref = torch.load(tmp_path / f"one.{agg}.pt")
         assert ref["microbatches"] == 1
-        for other in ("four", "two", "ac"):
+        bal = torch.load(tmp_path / f"balanced.{agg}.pt")["balance"]
+        # lengths 7 11 15 10 10 14 | 9 13: 67 vs 22 tokens before; the partition gives 44 / 45
+        assert bal["perf/dp_load_imbalance_before"] == pytest.approx(67 / 44.5)
+        assert sorted(bal["loads"]) == [44.0, 45.0]
+        assert bal["perf/dp_load_imbalance"] == pytest.approx(45 / 44.5)
+        for other in ("four", "two", "ac", "balanced"):
             got = torch.load(tmp_path / f"{other}.{agg}.pt")
             if other == "four":
                 assert got["microbatches"] == 4

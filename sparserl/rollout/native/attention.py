@@ -36,7 +36,8 @@ class Span:
 
 @dataclass
 class ForwardContext:
-    spans: list[Span] = field(default_factory=list)  # sequences computed one by one
+    # Sequences computed one by one; their rows tile [n_decode, T) in order.
+    spans: list[Span] = field(default_factory=list)
     # Batched single-token decode: query rows [0, n_decode) attend over `decode_slots` (padding masked by `decode_bias`).
     n_decode: int = 0
     decode_slots: torch.Tensor | None = None  # (Bd, Lmax) long
@@ -87,6 +88,25 @@ def _decode_attention(q, k_cache, v_cache, ctx: ForwardContext, scaling: float |
     return torch.matmul(probs, v).reshape(bd, H, D)
 
 
+def _span_attention(span: Span, q, k, v, k_cache, v_cache, scaling) -> torch.Tensor:
+    """Causal attention of one sequence's new rows (n, H, D) over its cached entries and themselves."""
+    qs = q.transpose(0, 1)[None]  # (1, H, n, D)
+    if span.slots is None:
+        ks, vs = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    else:
+        ks = k_cache.index_select(0, span.slots).transpose(0, 1)[None]  # (1, H_kv, L, D)
+        vs = v_cache.index_select(0, span.slots).transpose(0, 1)[None]
+    if span.num_cached == 0:
+        o = _sdpa(qs, ks, vs, causal=True, scale=scaling)
+    else:
+        # Everything cached before is visible; the new tokens see each other causally.
+        n, L = q.shape[0], ks.shape[2]
+        rows = torch.arange(n, device=q.device)[:, None] + span.num_cached
+        mask = torch.arange(L, device=q.device)[None, :] <= rows  # (n, L)
+        o = _sdpa(qs, ks, vs, mask=mask, scale=scaling)
+    return o[0].transpose(0, 1)
+
+
 def packed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # (1, H, T, D) post-RoPE
@@ -109,31 +129,22 @@ def packed_attention(
     v_new = value[0].transpose(0, 1)
     if ctx.on_queries is not None:
         ctx.on_queries(layer, q)
-    out = torch.empty_like(q)  # (T, H, D)
+    k_cache = v_cache = None
+    decoded = None
     if ctx.k_cache is not None:
         k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
         k_cache.index_copy_(0, ctx.write_slots, k_new.to(k_cache.dtype))
         v_cache.index_copy_(0, ctx.write_slots, v_new.to(v_cache.dtype))
         if ctx.n_decode:
-            out[: ctx.n_decode] = _decode_attention(q[: ctx.n_decode], k_cache, v_cache, ctx, scaling)
-    for span in ctx.spans:
-        qs = q[span.start : span.end].transpose(0, 1)[None]  # (1, H, n, D)
-        if span.slots is None:
-            ks = k_new[span.start : span.end].transpose(0, 1)[None]
-            vs = v_new[span.start : span.end].transpose(0, 1)[None]
-        else:
-            ks = k_cache.index_select(0, span.slots).transpose(0, 1)[None]  # (1, H_kv, L, D)
-            vs = v_cache.index_select(0, span.slots).transpose(0, 1)[None]
-        n = span.end - span.start
-        if span.num_cached == 0:
-            o = _sdpa(qs, ks, vs, causal=True, scale=scaling)
-        else:
-            # Everything cached before is visible; the new tokens see each other causally.
-            L = ks.shape[2]
-            rows = torch.arange(n, device=q.device)[:, None] + span.num_cached
-            mask = torch.arange(L, device=q.device)[None, :] <= rows  # (n, L)
-            o = _sdpa(qs, ks, vs, mask=mask, scale=scaling)
-        out[span.start : span.end] = o[0].transpose(0, 1)
+            decoded = _decode_attention(q[: ctx.n_decode], k_cache, v_cache, ctx, scaling)
+    # Rows are [decode rows][span 0][span 1]...: split and concatenate rather than slice and assign, so that
+    # backward costs one gather and one scatter per layer instead of a full-size zero tensor per sequence.
+    sizes = [ctx.n_decode] + [sp.end - sp.start for sp in ctx.spans]
+    q_parts, k_parts, v_parts = (torch.split(x, sizes) for x in (q, k_new, v_new))
+    parts = [decoded] if decoded is not None else []
+    for span, qs, ks, vs in zip(ctx.spans, q_parts[1:], k_parts[1:], v_parts[1:]):
+        parts.append(_span_attention(span, qs, ks, vs, k_cache, v_cache, scaling))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out[None], None  # (1, T, H, D)
 
 
