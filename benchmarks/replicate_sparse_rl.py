@@ -20,6 +20,10 @@ written; dense rollouts always see them. The script runs, printing every command
    and pool peak (`kv/retained_frac`, `kv/peak_gb`), mismatch KL (`mismatch/kl`), rejected sequences
    (`correction/rejected_seq_frac`) and seconds per step, all means over steps except the reward columns.
    Rewards are those of each run's own training rollouts: compressed ones for the two sparse runs.
+5. a held-out evaluation (`--eval-prompts` prompts from a seed the training data never uses, `--eval-n`
+   samples each at temperature 1) of the warm-start and of every final policy, once dense and once with the
+   runs' R-KV compression: the dense column is the paper's measure (its evaluations use a dense server), the
+   compressed one shows robustness to sparse inference.
 
 `kv/peak_gb` is the high-water mark of the step's KV pool: every sequence holds its whole prompt until its
 first decode step compresses it, so with short responses the peak is close to dense; `kv/retained_frac`
@@ -29,8 +33,7 @@ The default sizes (4 facts, 6 filler sentences: ~158-token prompts; budget 64 wi
 sequence is compressed to ~40% of its prompt at its first decode step; a 12-step warm-start, which takes the
 model from 0.05 to ~0.95 dense reward and ~0.2 under this compression; 4 prompts x 8 samples per step,
 10 steps) are chosen so that the warm-start and the three runs fit in an hour on a 2-core CPU.
-Left out on purpose: evaluation on held-out prompts (the reward curves are on-policy training rewards) and
-repeated seeds; rerun with `--seed` for those.
+Left out on purpose: repeated seeds; rerun with `--seed` for those.
 """
 from __future__ import annotations
 
@@ -76,12 +79,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--nproc", type=int, default=1, help="processes per run: 1 runs python -m, more run torchrun")
     ap.add_argument("--last-k", type=int, default=3, help="final reward = mean of the last k steps")
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep each run's DCP checkpoints (~1.6 GB each)")
+    ap.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts for the final evaluation (0: none)")
+    ap.add_argument("--eval-n", type=int, default=2, help="samples per held-out prompt")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and stop")
     ap.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for the GRPO runs")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.sft_steps, args.sft_batch = 2, 2, 2
         args.prompts_per_step, args.n, args.max_new_tokens, args.last_k = 2, 4, 16, 1
+        args.eval_prompts, args.eval_n = min(args.eval_prompts, 4), 1
     if args.out is None:
         args.out = "outputs/replicate_sparse_rl" + ("_quick" if args.quick else "")
     if args.budget <= 8:
@@ -151,6 +157,52 @@ def write_data(args, folder: Path) -> tuple[Path, Path]:
     sft.write_text("".join(json.dumps(r) + "\n" for r in env.make_sft_examples(max(512, args.sft_steps * args.sft_batch),
                                                                                 args.seed, **size)))
     return prompts, sft
+
+
+def evaluate(model_dir: Path, rows: list[dict], args, compressed: bool) -> float:
+    """Mean reward of `model_dir` on held-out rows: temperature 1 (as in training), dense or with the runs' R-KV
+    compression (same budget, divide_length, compress_prompt), through the native engine in bf16."""
+    import torch
+
+    from sparserl.actor.hf import load_model, load_tokenizer
+    from sparserl.kv import KVPolicyConfig
+    from sparserl.rollout.native.attention import use_packed_attention
+    from sparserl.rollout.native.engine import NativeEngine
+    from sparserl.rollout.types import GenerationRequest, SamplingParams
+    from sparserl.utils.envload import load_env
+
+    env = load_env(str(ROOT / ENV_PATH)).module
+    tokenizer = load_tokenizer(str(model_dir))
+    model = load_model(str(model_dir), "bfloat16")
+    use_packed_attention(model)
+    prompts = [tokenizer(tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"] for r in rows]
+    kv = (KVPolicyConfig(algorithm="rkv", budget=args.budget, divide_length=args.divide_length, compress_prompt=True)
+          if compressed else None)
+    slots = len(prompts) * args.eval_n * (max(map(len, prompts)) + args.max_new_tokens)
+    engine = NativeEngine(model, tokenizer, num_slots=slots, max_num_seqs=256, kv=kv, seed=args.seed + 1)
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.eval_n, seed=args.seed + 1)
+    with torch.inference_mode():
+        gens = engine.generate([GenerationRequest(p, params, i) for i, p in enumerate(prompts)])
+    scores = [env.score(tokenizer.decode(g.token_ids, skip_special_tokens=True), rows[g.request_id]["answer"]) for g in gens]
+    return sum(scores) / len(scores)
+
+
+def evaluation_table(args, models: dict[str, Path]) -> tuple[list[str], list[list]]:
+    """Dense and compressed held-out reward of the warm-start and of every run's final policy."""
+    from sparserl.utils.envload import load_env
+
+    env = load_env(str(ROOT / ENV_PATH)).module
+    rows = env.make_prompts(args.eval_prompts, args.seed + 10_000, num_facts=args.facts, filler_sentences=args.filler)
+    table, start = [], None
+    for name, path in models.items():
+        if not (path / "config.json").exists():
+            continue
+        dense, sparse = evaluate(path, rows, args, False), evaluate(path, rows, args, True)
+        start = dense if start is None else start
+        table.append([name, f"{dense:.3f}", f"{dense - start:+.3f}", f"{sparse:.3f}"])
+        print(table[-1], flush=True)
+    return ["policy", "dense eval reward", "gain over warm-start", f"R-KV b={args.budget} eval reward"], table
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -243,6 +295,13 @@ def main(argv=None) -> None:
     print()
     text = print_table(headers, summary_rows(runs, args.last_k),
                        title=f"dense vs naive sparse vs Sparse-RL, budget {args.budget}, {args.steps} steps, seed {args.seed}")
+    if args.eval_prompts:
+        t0 = time.perf_counter()
+        print(f"\nheld-out evaluation: {args.eval_prompts} prompts x {args.eval_n} samples, temperature 1", flush=True)
+        headers, rows = evaluation_table(args, {"warm-start": sft_dir / "hf", **{p: runs[p] / "hf" for p in PRESETS}})
+        print()
+        text += "\n\n" + print_table(headers, rows, title=f"held-out evaluation ({args.eval_prompts} prompts x {args.eval_n})")
+        seconds["eval"] = time.perf_counter() - t0
     timing = ", ".join(f"{k} {v / 60:.1f} min" for k, v in seconds.items())
     print(f"\nwall time: {timing or 'nothing rerun'}")
     cmds = "\n".join(shlex.join(c) for c in commands)

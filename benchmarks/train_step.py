@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import gsm8k_prompts, machine, print_table  # noqa: E402
 
 KEYS = ["perf/step_s", "perf/rollout_s", "perf/old_logprobs_s", "perf/update_s", "perf/weight_sync_s",
-        "perf/rollout_tok_s", "perf/train_tok_s", "response/len_mean", "mem/peak_gb"]
+        "perf/rollout_tok_s", "perf/train_tok_s", "perf/dp_load_imbalance_before", "perf/dp_load_imbalance",
+        "response/len_mean", "mem/peak_gb"]
 
 
 def step_timings(args) -> None:
