@@ -131,14 +131,15 @@ def balance_ranks(batch: TrainBatch, num_minibatches: int, dp_group) -> tuple[Tr
         minibatches.append(list(range(len(rows), len(rows) + len(parts[rank]))))
         rows.extend(pool[j] for j in parts[rank])
     device = batch.mask.device
-    T = max([1] + [len(seq[4][0]) for seq in rows])
-    new = TrainBatch(ids=[seq[1] for seq in rows], prompt_lens=[seq[2] for seq in rows],
-                     mask=batch.mask, advantages=torch.tensor([seq[3] for seq in rows], dtype=torch.float32, device=device))
+    T = max([1] + [len(seq[1]) - seq[2] for seq in rows])
+    per_token = {}
     for j, f in enumerate(fields):
         t = torch.zeros(len(rows), T, dtype=getattr(batch, f).dtype)
         for i, seq in enumerate(rows):
             t[i, : len(seq[4][j])] = seq[4][j]
-        setattr(new, f, t.to(device))
+        per_token[f] = t.to(device)
+    new = TrainBatch(ids=[seq[1] for seq in rows], prompt_lens=[seq[2] for seq in rows],
+                     advantages=torch.tensor([seq[3] for seq in rows], dtype=torch.float32, device=device), **per_token)
     mean = max(sum(before) / world, 1e-9)
     metrics = {"perf/dp_load_imbalance_before": max(before) / mean, "perf/dp_load_imbalance": max(after) / mean}
     return new, minibatches, metrics
