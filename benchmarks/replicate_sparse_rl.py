@@ -159,9 +159,9 @@ def write_data(args, folder: Path) -> tuple[Path, Path]:
     return prompts, sft
 
 
-def evaluate(model_dir: Path, rows: list[dict], args, compressed: bool) -> float:
-    """Mean reward of `model_dir` on held-out rows: temperature 1 (as in training), dense or with the runs' R-KV
-    compression (same budget, divide_length, compress_prompt), through the native engine in bf16."""
+def evaluate(model_dir: Path, rows: list[dict], args, env) -> tuple[float, float]:
+    """Mean reward of `model_dir` on held-out rows, dense and with the runs' R-KV compression (same budget,
+    divide_length, compress_prompt): temperature 1 (as in training), native engine in bf16."""
     import torch
 
     from sparserl.actor.hf import load_model, load_tokenizer
@@ -169,23 +169,23 @@ def evaluate(model_dir: Path, rows: list[dict], args, compressed: bool) -> float
     from sparserl.rollout.native.attention import use_packed_attention
     from sparserl.rollout.native.engine import NativeEngine
     from sparserl.rollout.types import GenerationRequest, SamplingParams
-    from sparserl.utils.envload import load_env
 
-    env = load_env(str(ROOT / ENV_PATH)).module
     tokenizer = load_tokenizer(str(model_dir))
     model = load_model(str(model_dir), "bfloat16")
     use_packed_attention(model)
     prompts = [tokenizer(tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True),
                          add_special_tokens=False)["input_ids"] for r in rows]
-    kv = (KVPolicyConfig(algorithm="rkv", budget=args.budget, divide_length=args.divide_length, compress_prompt=True)
-          if compressed else None)
+    rkv = KVPolicyConfig(algorithm="rkv", budget=args.budget, divide_length=args.divide_length, compress_prompt=True)
     slots = len(prompts) * args.eval_n * (max(map(len, prompts)) + args.max_new_tokens)
-    engine = NativeEngine(model, tokenizer, num_slots=slots, max_num_seqs=256, kv=kv, seed=args.seed + 1)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.eval_n, seed=args.seed + 1)
-    with torch.inference_mode():
-        gens = engine.generate([GenerationRequest(p, params, i) for i, p in enumerate(prompts)])
-    scores = [env.score(tokenizer.decode(g.token_ids, skip_special_tokens=True), rows[g.request_id]["answer"]) for g in gens]
-    return sum(scores) / len(scores)
+    means = []
+    for kv in (None, rkv):
+        engine = NativeEngine(model, tokenizer, num_slots=slots, max_num_seqs=256, kv=kv, seed=args.seed + 1)
+        with torch.inference_mode():
+            gens = engine.generate([GenerationRequest(p, params, i) for i, p in enumerate(prompts)])
+        scores = [env.score(tokenizer.decode(g.token_ids, skip_special_tokens=True), rows[g.request_id]["answer"]) for g in gens]
+        means.append(sum(scores) / len(scores))
+    return means[0], means[1]
 
 
 def evaluation_table(args, models: dict[str, Path]) -> tuple[list[str], list[list]]:
@@ -198,7 +198,7 @@ def evaluation_table(args, models: dict[str, Path]) -> tuple[list[str], list[lis
     for name, path in models.items():
         if not (path / "config.json").exists():
             continue
-        dense, sparse = evaluate(path, rows, args, False), evaluate(path, rows, args, True)
+        dense, sparse = evaluate(path, rows, args, env)
         start = dense if start is None else start
         table.append([name, f"{dense:.3f}", f"{dense - start:+.3f}", f"{sparse:.3f}"])
         print(table[-1], flush=True)

@@ -68,16 +68,21 @@ def sample_rollout(model, tokenizer, args) -> list[tuple[list[int], int]]:
     return [(g.prompt_token_ids + g.token_ids, len(g.prompt_token_ids)) for g in gens if g.token_ids]
 
 
-def packed_pass(model, seqs, max_tokens) -> None:
+def packed_pass(model, seqs, max_tokens) -> tuple[int, int]:
+    """Returns (micro-batches, token positions computed)."""
     from sparserl.actor.logprobs import PackedSeqs, packed_logprobs
     from sparserl.data.packing import split_microbatches
 
-    for mb in split_microbatches([len(s) for s, _ in seqs], max_tokens):
+    mbs = split_microbatches([len(s) for s, _ in seqs], max_tokens)
+    for mb in mbs:
         logp, _ = packed_logprobs(model, PackedSeqs([seqs[i][0] for i in mb], [seqs[i][1] for i in mb]), torch.device("cpu"))
         (-logp.sum() / len(seqs)).backward()
+    return len(mbs), sum(len(s) for s, _ in seqs)
 
 
-def padded_pass(model, seqs, per_mb) -> None:
+def padded_pass(model, seqs, per_mb) -> tuple[int, int]:
+    """Returns (micro-batches, token positions computed, padding included)."""
+    count = computed = 0
     for start in range(0, len(seqs), per_mb):
         chunk = seqs[start : start + per_mb]
         L = max(len(s) for s, _ in chunk)
@@ -91,6 +96,8 @@ def padded_pass(model, seqs, per_mb) -> None:
         logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
         logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         (-(logp * resp).sum() / len(seqs)).backward()
+        count, computed = count + 1, computed + ids.numel()
+    return count, computed
 
 
 def packing_throughput(args) -> None:
@@ -106,26 +113,20 @@ def packing_throughput(args) -> None:
     lengths = sorted(len(s) for s, _ in seqs)
     real = sum(lengths)
     per_mb = max(1, args.max_tokens // lengths[-1])
-    padded_tokens = sum(len(seqs[i:i + per_mb]) * max(len(s) for s, _ in seqs[i:i + per_mb]) for i in range(0, len(seqs), per_mb))
-    rows = []
-    times = {}
+    times, shape = {}, {}
     for name, model, fn, arg in [("packed", packed_model, packed_pass, args.max_tokens), ("padded", padded_model, padded_pass, per_mb)]:
         best = None
         for _ in range(args.repeats):
             model.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
-            fn(model, seqs, arg)
+            shape[name] = fn(model, seqs, arg)
             best = min(best or 1e9, time.perf_counter() - t0)
         times[name] = best
     print(f"machine: {machine()}\nrollout: {len(seqs)} sequences ({args.pack_prompts} GSM8K prompts x {args.pack_n}), "
           f"lengths {lengths[0]}-{lengths[-1]} (median {lengths[len(lengths) // 2]}), {real} tokens; "
           f"micro-batch bound {args.max_tokens} tokens; {args.model} bf16, forward+backward\n")
-    from sparserl.data.packing import split_microbatches
-
-    n_packed = len(split_microbatches([len(s) for s, _ in seqs], args.max_tokens))
-    rows.append(["packed", n_packed, real, f"{times['packed']:.1f}", f"{real / times['packed']:.0f}", "1.00x"])
-    rows.append(["padded", -(-len(seqs) // per_mb), padded_tokens, f"{times['padded']:.1f}", f"{real / times['padded']:.0f}",
-                 f"{times['packed'] / times['padded']:.2f}x"])
+    rows = [[name, *shape[name], f"{times[name]:.1f}", f"{real / times[name]:.0f}", f"{times['packed'] / times[name]:.2f}x"]
+            for name in ("packed", "padded")]
     print_table(["micro-batches", "count", "tokens computed", "seconds", "real tokens/s", "vs packed"], rows,
                 title="packed vs padded, same rollout")
 
