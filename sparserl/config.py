@@ -87,6 +87,7 @@ class ActorConfig:
     min_lr_ratio: float = 0.0
     max_grad_norm: float = 1.0
     max_tokens_per_device: int = 8192  # tokens per packed micro-batch
+    logprob_chunk_mb: float = 256  # LM head + log-softmax in row chunks of this many MB of fp32 logits; 0 = all at once
     updates_per_rollout: int = 1  # optimizer steps per rollout (minibatches)
     ppo_epochs: int = 1
     balance_ranks: bool = True  # move sequences between DP ranks before the update so token loads are equal

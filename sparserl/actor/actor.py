@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from sparserl.actor.hf import load_model, parse_dtype
-from sparserl.actor.logprobs import PackedSeqs, packed_logprobs
+from sparserl.actor.logprobs import DEFAULT_CHUNK_MB, PackedSeqs, packed_logprobs
 from sparserl.actor.optim import build_optimizer, build_scheduler
 from sparserl.actor.parallelize import parallelize
 from sparserl.algo.aggregation import Normalizer
@@ -57,13 +57,15 @@ class Actor:
                  lr: float = 1e-6, betas=(0.9, 0.999), weight_decay: float = 0.0, lr_schedule: str = "constant",
                  warmup_steps: int = 0, total_steps: int = 1, min_lr_ratio: float = 0.0, max_grad_norm: float = 1.0,
                  max_tokens_per_device: int = 8192, activation_checkpointing: bool = False, trainable: bool = True,
-                 sampling: tuple[float, float, int] = (1.0, 1.0, 0), entropy_grad: bool = False) -> None:
+                 sampling: tuple[float, float, int] = (1.0, 1.0, 0), entropy_grad: bool = False,
+                 logprob_chunk_mb: float = DEFAULT_CHUNK_MB) -> None:
         self.device = device
         self.mesh = mesh
         self.max_tokens = max_tokens_per_device
         self.max_grad_norm = max_grad_norm
         self.temperature, self.top_p, self.top_k = sampling
         self.entropy_grad = entropy_grad  # False: entropy is only a metric, computed without autograd
+        self.chunk_mb = logprob_chunk_mb
         model = load_model(model_path, dtype, device)
         use_packed_attention(model)
         if activation_checkpointing:
@@ -96,7 +98,7 @@ class Actor:
         else:
             seqs = PackedSeqs([batch.ids[i] for i in mb], [batch.prompt_lens[i] for i in mb])
         return packed_logprobs(self.model, seqs, self.device, self.temperature, self.top_p, self.top_k, with_entropy,
-                               self.entropy_grad, hold_context)
+                               self.entropy_grad, hold_context, self.chunk_mb)
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()

@@ -2,24 +2,40 @@
 
 Sequences are concatenated into one `(1, L)` row with positions restarting at 0 per sequence; the
 attention function (rollout/native/attention.py, the same one the engine runs) keeps each sequence causal
-and separate, and the LM head runs only on the rows that predict response tokens. Log-probs use the
-sampler's transform (`processed_logprobs`), so they are comparable with the engine's `logp_sparse`. When
-`parallelize` split the LM head by vocabulary over tp, the logits are this rank's (N, V/tp) slice and the
-log-probs come from `vocab_parallel_logprobs` (temperature only; top-p / top-k need the full vocabulary).
-Left out on purpose: a chunked/fused LM-head + log-softmax (the logits of one micro-batch's response
-tokens are materialized; bound them with actor.max_tokens_per_device).
+and separate. Log-probs use the sampler's transform (`processed_logprobs`), so they are comparable with the
+engine's `logp_sparse`.
+
+The LM head never materializes the (tokens x vocabulary) logits of a whole micro-batch. `install_logprob_head`
+replaces the head's forward: when the forward context carries a `LogprobHead` (the actor's forwards), the head
+takes the hidden states of the rows that predict response tokens and computes matmul -> sampling transform ->
+gather (+ entropy) `chunk` rows at a time; with autograd on, each chunk is checkpointed (only its input rows are
+kept, and backward recomputes its logits), so the extra memory is O(chunk x V) instead of O(N x V), in the
+forward and in the backward. Outside such a forward the head is the plain linear layer it was.
+When `parallelize` split the LM head by vocabulary over tp, each chunk's logits are this rank's (c, V/tp)
+slice and the log-probs come from `vocab_parallel_logprobs` (temperature only; top-p / top-k need the full
+vocabulary).
+Left out on purpose: a fused Triton/CUDA kernel (the chunked matmul is already what bounds memory; a kernel
+would save the recomputed matmul), and models that post-process logits after the head (final logit
+soft-capping), which raise.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from sparserl.actor.vocab_parallel import vocab_parallel_logprobs, vocab_shard
-from sparserl.rollout.native.attention import ForwardContext, Span, forward_context
+from sparserl.actor.vocab_parallel import VocabShard, copy_to_vocab_parallel, vocab_parallel_logprobs, vocab_shard
+from sparserl.rollout.native.attention import ForwardContext, Span, current_context, forward_context
 from sparserl.rollout.sampling import processed_logprobs
+
+HEAD_ATTR = "sparserl_logprob_head"
+SHARD_ATTR = "sparserl_vocab_shard"  # set on a vocabulary-split head by parallelize
+DEFAULT_CHUNK_MB = 256
 
 
 @dataclass
@@ -34,6 +50,94 @@ class PackedSeqs:
         return [len(x) - p for x, p in zip(self.ids, self.prompt_lens)]
 
 
+def chunk_rows(vocab_local: int, chunk_mb: float) -> int:
+    """Rows per chunk so that one float32 (rows, V_local) buffer stays within `chunk_mb`; 0 MB = no chunking."""
+    if chunk_mb <= 0:
+        return 1 << 62
+    return max(1, int(chunk_mb * 2**20) // (4 * max(vocab_local, 1)))
+
+
+@dataclass
+class LogprobHead:
+    """What the LM head computes in an actor forward instead of logits; the results land in `logp` / `entropy`."""
+
+    targets: torch.Tensor  # (N,) the token each kept row predicts
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    with_entropy: bool = False
+    entropy_grad: bool = True
+    chunk_mb: float = DEFAULT_CHUNK_MB
+    shard: VocabShard | None = None
+    logp: torch.Tensor | None = None  # (N,) float32
+    entropy: torch.Tensor | None = None  # (N,) float32
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        h = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+        if self.shard is not None:
+            h = copy_to_vocab_parallel(h, self.shard.group)
+        rows = chunk_rows(weight.shape[0], self.chunk_mb)
+        grad = torch.is_grad_enabled()
+        outs = []
+        for start in range(0, h.shape[0], rows):
+            args = (h[start : start + rows], weight, bias, self.targets[start : start + rows])
+            # Checkpointed: the chunk's logits and softmax are freed now and recomputed in backward.
+            outs.append(checkpoint(self._chunk, *args, use_reentrant=False) if grad else self._chunk(*args))
+        self.logp = torch.cat([o[0] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
+        if self.with_entropy:
+            self.entropy = torch.cat([o[1] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
+        return self.logp.view(*hidden.shape[:-1], 1)  # stands in for the logits; callers read the fields
+
+    def _chunk(self, h, weight, bias, tgt) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(h, weight, bias)  # (c, V_local)
+        if self.shard is not None:
+            logp, ent = vocab_parallel_logprobs(logits, tgt, self.shard.start, self.shard.group, self.temperature,
+                                                self.with_entropy)
+            if ent is not None and not self.entropy_grad:
+                ent = ent.detach()
+            return logp, (ent if ent is not None else logp.new_zeros(0))
+        logp_all = processed_logprobs(logits, self.temperature, self.top_p, self.top_k)  # (c, V) float32
+        logp = logp_all.gather(-1, tgt[:, None]).squeeze(-1)  # (c,)
+        ent = logp.new_zeros(0)
+        if self.with_entropy:
+            # Without a gradient (the usual case: entropy as a metric) this keeps no (c, V) autograd buffers.
+            with torch.set_grad_enabled(self.entropy_grad and torch.is_grad_enabled()):
+                p = logp_all.exp()
+                # Zero the -inf log-probs of tokens outside the kept set first: where(p > 0, p * logp, 0)
+                # would back-propagate 0 * -inf = NaN through the branch it does not take.
+                ent = -(p * logp_all.masked_fill(p == 0, 0.0)).sum(-1)  # (c,)
+        return logp, ent
+
+
+def _local(t):
+    return t.to_local() if t is not None and hasattr(t, "to_local") else t
+
+
+def _head_forward(module: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    # Local tensors throughout: with tp the weight is this rank's vocabulary rows and the logits its slice.
+    weight, bias, hidden = _local(module.weight), _local(module.bias), _local(hidden)
+    ctx = current_context()
+    if ctx is not None and ctx.head is not None:
+        return ctx.head(hidden, weight, bias)
+    shard = getattr(module, SHARD_ATTR, None)
+    if shard is not None:
+        hidden = copy_to_vocab_parallel(hidden, shard.group)
+    return F.linear(hidden, weight, bias)
+
+
+def install_logprob_head(model: torch.nn.Module) -> None:
+    """Make the model's LM head computable in chunks (idempotent). Called before any parallelism is applied."""
+    head = model.get_output_embeddings()
+    if getattr(head, HEAD_ATTR, False):
+        return
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"{type(model).__name__}: the LM head is a {type(head).__name__}, expected nn.Linear")
+    if getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError(f"{type(model).__name__}: final logit soft-capping after the LM head is not supported")
+    head.forward = functools.partial(_head_forward, head)
+    setattr(head, HEAD_ATTR, True)
+
+
 def packed_logprobs(
     model: torch.nn.Module,
     seqs: PackedSeqs,
@@ -44,12 +148,14 @@ def packed_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     hold_context: contextlib.ExitStack | None = None,
+    chunk_mb: float = DEFAULT_CHUNK_MB,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns response-aligned (b, T) log-probs and entropies (0 beyond each response's length).
 
     With `hold_context`, the forward context stays set until that stack closes: activation checkpointing
     recomputes the attention during backward, which must still see this micro-batch's spans.
     """
+    install_logprob_head(model)
     flat, pos, keep, targets, spans = [], [], [], [], []
     for ids, p in zip(seqs.ids, seqs.prompt_lens):
         start = len(flat)
@@ -58,34 +164,23 @@ def packed_logprobs(
         keep.extend(range(start + p - 1, start + len(ids) - 1))  # row t predicts token t + 1
         targets.extend(ids[p:])
         spans.append(Span(start, len(flat)))
-    ctx = ForwardContext(spans=spans)
+    shard = vocab_shard(model)
+    if shard is not None and (top_p < 1.0 or top_k > 0):
+        raise NotImplementedError(f"rollout.top_p={top_p} / rollout.top_k={top_k} with parallel.tp > 1: the kept set needs "
+                                  "the full vocabulary, which a vocabulary-split LM head never gathers; use top_p=1, top_k=0")
+    head = LogprobHead(torch.tensor(targets, device=device), temperature, top_p, top_k, with_entropy, entropy_grad,
+                       chunk_mb, shard)
+    ctx = ForwardContext(spans=spans, head=head)
     with contextlib.ExitStack() as local:
         (hold_context or local).enter_context(forward_context(ctx))
-        out = model(
+        model(
             input_ids=torch.tensor([flat], device=device),
             position_ids=torch.tensor([pos], device=device),
             use_cache=False,
             logits_to_keep=torch.tensor(keep, device=device),
         )
-    tgt = torch.tensor(targets, device=device)
-    shard = vocab_shard(model)
-    if shard is not None:
-        if top_p < 1.0 or top_k > 0:
-            raise NotImplementedError(f"rollout.top_p={top_p} / rollout.top_k={top_k} with parallel.tp > 1: the kept set needs "
-                                      "the full vocabulary, which a vocabulary-split LM head never gathers; use top_p=1, top_k=0")
-        logp, ent = vocab_parallel_logprobs(out.logits[0], tgt, shard.start, shard.group, temperature, with_entropy)  # (N,)
-        if ent is not None and not entropy_grad:
-            ent = ent.detach()
-        return unflatten(logp, seqs.resp_lens), (unflatten(ent, seqs.resp_lens) if ent is not None else None)
-    logp_all = processed_logprobs(out.logits[0], temperature, top_p, top_k)  # (N, V) float32
-    logp = logp_all.gather(-1, tgt[:, None]).squeeze(-1)  # (N,)
-    ent = None
-    if with_entropy:
-        # Without a gradient (the usual case: entropy as a metric) this saves three (N, V) autograd buffers.
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            p = logp_all.exp()
-            ent = -torch.where(p > 0, p * logp_all, torch.zeros_like(p)).sum(-1)  # (N,)
-    return unflatten(logp, seqs.resp_lens), (unflatten(ent, seqs.resp_lens) if ent is not None else None)
+    ent = unflatten(head.entropy, seqs.resp_lens) if with_entropy else None
+    return unflatten(head.logp, seqs.resp_lens), ent
 
 
 def unflatten(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from sparserl.actor.logprobs import SHARD_ATTR, install_logprob_head
 from sparserl.actor.tp_plans import tp_plan
 from sparserl.actor.vocab_parallel import ATTR, VocabShard
 from sparserl.parallel import ParallelDims
@@ -31,6 +32,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def parallelize(model: torch.nn.Module, mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32):
+    install_logprob_head(model)  # before tp: the head's own forward works on local vocabulary slices
     tp = mesh["tp"]
     if tp.size() > 1:
         apply_tensor_parallel(model, tp)
@@ -70,12 +72,21 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, None, inputs_to_dtensor, output_to_local)
 
 
+class VocabHeadParallel(ColwiseParallel):
+    """LM-head rows split by vocabulary id, with no input/output hooks: the head's forward (installed by
+    `logprobs.install_logprob_head`) takes the replicated hidden states as a local tensor and produces this rank's
+    (N, V/tp) logits, or their chunked log-probs, from the local weight rows."""
+
+    def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
+        return distribute_module(module, device_mesh, self._partition_linear_fn)
+
+
 def _styles() -> dict[str, ParallelStyle]:
     return {
         "colwise": ColwiseParallel(),
         "rowwise": RowwiseParallel(),
         "vocab_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "vocab_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),  # logits stay (N, V/tp)
+        "vocab_head": VocabHeadParallel(),  # logits stay (N, V/tp)
         "replicate": ReplicateParallel(),
         "head_norm": ReplicateParallel(Shard(2)),  # input (B, T, H_local, D): split over heads
     }
@@ -104,7 +115,9 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
     if loose:
         raise ValueError(f"tensor-parallel plan for model_type={model.config.model_type!r} leaves parameters unsplit: "
                          f"{loose[:4]}{'...' if len(loose) > 4 else ''}")
-    setattr(model, ATTR, _vocab_shard(head.weight, tp_mesh))
+    shard = _vocab_shard(head.weight, tp_mesh)
+    setattr(model, ATTR, shard)
+    setattr(head, SHARD_ATTR, shard)
 
 
 def _vocab_shard(weight: DTensor, tp_mesh) -> VocabShard:

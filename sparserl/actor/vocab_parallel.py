@@ -87,6 +87,25 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return (grad / ctx.temperature).to(logits.dtype), None, None, None, None, None
 
 
+def copy_to_vocab_parallel(hidden: torch.Tensor, group) -> torch.Tensor:
+    """Identity on the replicated hidden states that feed a vocabulary-split LM head; backward sums their gradient
+    over tp (each rank's gradient covers only its vocabulary rows)."""
+    return _SumGradOverTP.apply(hidden, group)
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, group):
+        ctx.group = group
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        _all_reduce(grad, dist.ReduceOp.SUM, ctx.group)
+        return grad, None
+
+
 def _all_reduce(t: torch.Tensor, op, group) -> None:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)

@@ -71,7 +71,8 @@ def run_model(out: str, root: str, dp: int, tp: int, families: list[str]) -> Non
     for family in families:
         seen.update(widths=[], dense_calls=0)
         actor = Actor(f"{root}/{family}", mesh, info.device, dtype="float32", compute_dtype="float32",
-                      max_tokens_per_device=10_000, entropy_grad=True)
+                      max_tokens_per_device=10_000, entropy_grad=True,
+                      logprob_chunk_mb=0.003)  # 3 KB of fp32 logits per chunk: several chunks per micro-batch
         batch = fixed_batch(dp_rank, dp, actor.config.vocab_size)
         res = {"logp": [(dp_rank, tp_rank, actor.logprobs(batch))], "loss": {}, "grads": {}}
         for agg in ("token", "sequence"):

@@ -47,6 +47,8 @@ class ForwardContext:
     v_cache: list[torch.Tensor] | None = None
     # Called as on_queries(layer_idx, query (T, H, D)) so compression can keep recent queries.
     on_queries: Callable[[int, torch.Tensor], None] | None = None
+    # The actor's forwards: what the LM head computes instead of full logits (actor/logprobs.py `LogprobHead`).
+    head: Callable | None = None
 
 
 _CTX: ForwardContext | None = None
@@ -61,6 +63,10 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         yield ctx
     finally:
         _CTX = None
+
+
+def current_context() -> ForwardContext | None:
+    return _CTX
 
 
 def _sdpa(q, k, v, mask=None, causal=False, scale=None):  # (B, H, Tq, D), (B, Hkv, Tk, D)

@@ -1,0 +1,62 @@
+"""The chunked LM head (actor/logprobs.py) gives the same log-probs, entropies and gradients as full logits."""
+import pytest
+import torch
+
+from sparserl.actor.logprobs import PackedSeqs, chunk_rows, packed_logprobs
+from sparserl.rollout.sampling import processed_logprobs
+from tests.conftest import tiny_model
+
+
+def reference(model, seqs: PackedSeqs, temperature, top_p):
+    """Each sequence alone through the stock model (SDPA attention, full logits), then the sampling transform."""
+    logps, ents = [], []
+    for ids, p in zip(seqs.ids, seqs.prompt_lens):
+        logits = model(input_ids=torch.tensor([ids])).logits[0, p - 1 : len(ids) - 1]  # (r, V)
+        lp = processed_logprobs(logits, temperature, top_p)
+        logps.append(lp.gather(-1, torch.tensor(ids[p:])[:, None]).squeeze(-1))
+        pr = lp.exp()
+        ents.append(-(pr * lp.masked_fill(pr == 0, 0.0)).sum(-1))
+    return logps, ents
+
+
+def loss_of(logps, ents, coeffs):
+    a, b = coeffs  # tokens outside the top-p kept set have log-prob -inf: left out of the loss
+    finite = lambda x: torch.where(torch.isfinite(x), x, torch.zeros_like(x))  # noqa: E731
+    return sum((finite(x) * a[i, : len(x)]).sum() + (e * b[i, : len(e)]).sum() for i, (x, e) in enumerate(zip(logps, ents)))
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_chunked_matches_full_logits(temperature, top_p):
+    model = tiny_model("qwen2", vocab=200)
+    g = torch.Generator().manual_seed(0)
+    seqs = PackedSeqs([torch.randint(0, 200, (n,), generator=g).tolist() for n in (9, 14, 6, 11)], [3, 5, 2, 4])
+    coeffs = (torch.randn(4, 12, generator=g), torch.randn(4, 12, generator=g))
+    ref_lp, ref_ent = reference(model, seqs, temperature, top_p)
+    loss_of(ref_lp, ref_ent, coeffs).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    # 0.002 MB of fp32 logits = 2 rows of a 200-token vocabulary: 14 chunks for 27 response tokens.
+    assert chunk_rows(200, 0.002) == 2
+    for chunk_mb in (0, 0.002):
+        model.zero_grad(set_to_none=True)
+        logp, ent = packed_logprobs(model, seqs, torch.device("cpu"), temperature, top_p, with_entropy=True,
+                                    entropy_grad=True, chunk_mb=chunk_mb)  # (4, T)
+        for i, (r_lp, r_ent) in enumerate(zip(ref_lp, ref_ent)):
+            torch.testing.assert_close(logp[i, : len(r_lp)], r_lp.detach(), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ent[i, : len(r_ent)], r_ent.detach(), rtol=1e-5, atol=1e-5)
+            assert (logp[i, len(r_lp):] == 0).all()
+        rows = [logp[i, : len(x)] for i, x in enumerate(ref_lp)]
+        ents = [ent[i, : len(x)] for i, x in enumerate(ref_ent)]
+        loss_of(rows, ents, coeffs).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=f"{name} chunk_mb={chunk_mb}")
+        assert model.lm_head.weight.grad.abs().sum() > 0
+
+
+def test_head_outside_the_actor_forward_is_the_plain_linear():
+    model = tiny_model("llama", vocab=64)
+    ids = torch.randint(0, 64, (1, 7))
+    before = model(input_ids=ids).logits
+    packed_logprobs(model, PackedSeqs([ids[0].tolist()], [2]), torch.device("cpu"))  # installs the chunked head
+    after = model(input_ids=ids).logits
+    assert after.shape == (1, 7, 64)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
