@@ -91,6 +91,7 @@ class ActorConfig:
     updates_per_rollout: int = 1  # optimizer steps per rollout (minibatches)
     ppo_epochs: int = 1
     balance_ranks: bool = True  # move sequences between DP ranks before the update so token loads are equal
+    fuse_old_logprobs: bool = True  # one update per rollout: logp_old from the update's own forward (no extra pass)
 
 
 @dataclass
@@ -106,6 +107,7 @@ class CorrectionSettings:
     mode: str = "apply"  # apply | measure
     is_cap: float | None = 1.5
     is_batch_normalize: bool = True
+    normalize_over: str = "kept"  # kept | all (the reference recipe: mean over every response token, before rejection)
     apply_to_kl: bool = False
     veto: float | None = 1e-4
     token_low: float | None = 0.5

@@ -37,6 +37,7 @@ class TrainBatch:
     mask: torch.Tensor  # (B, T) 1 = trained token
     advantages: torch.Tensor  # (B,)
     logp_old: torch.Tensor | None = None  # (B, T)
+    logp_sparse: torch.Tensor | None = None  # (B, T) what the rollout engine reported
     logp_ref: torch.Tensor | None = None
     weights: torch.Tensor | None = None  # correction weights (B, T)
     kl_weights: torch.Tensor | None = None
@@ -48,7 +49,9 @@ class TrainBatch:
         return [len(x) for x in self.ids]
 
 
-# loss_fn(logp, entropy, batch, index, normalizer) -> (scalar loss, metrics)
+# loss_fn(logp, entropy, batch, index, normalizer) -> (scalar loss, metrics). A loss_fn may also have
+# `finalize(batch, index, normalizer) -> (grad_scale, {metric: scale})`, called once after the minibatch's last
+# backward, for normalizers that need every micro-batch's forward first (the single-update path).
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch, torch.Tensor, Normalizer], tuple[torch.Tensor, dict]]
 
 
@@ -156,6 +159,14 @@ class Actor:
                     loss = logp.sum() * 0.0
                 # FSDP2 averages gradients over DP ranks; the loss is already globally normalized.
                 (loss * self.dp_size).backward()
+        finalize = getattr(loss_fn, "finalize", None)
+        if finalize is not None:  # normalizers known only now (trainer/batch.py FusedOldLogprobLoss)
+            grad_scale, metric_scales = finalize(batch, index, norm)
+            if grad_scale != 1.0:
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(grad_scale)
+            out = {k: v * metric_scales.get(k, 1.0) for k, v in out.items()}
         # Shares of globally normalized terms add up; per-micro-batch rates are averaged.
         return {k: v if k in _SUMMED else v / max(computed, 1) for k, v in out.items()}
 

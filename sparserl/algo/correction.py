@@ -5,8 +5,10 @@ much the compressed KV cache changed the probability of the token it sampled. `c
   * a new loss mask: tokens with xi outside [token_low, token_high] are dropped, and whole sequences are
     rejected when any token has xi < veto (the Sparse-RL veto) or when the geometric mean of xi over the
     sequence lies outside [geo_low, geo_high];
-  * detached per-token weights min(xi, is_cap) on the surviving tokens, optionally divided by their
-    global mean so that the mean over all surviving tokens of the minibatch (all DP ranks) is 1;
+  * detached per-token weights min(xi, is_cap) on the surviving tokens, optionally divided by a global mean
+    (`normalize_over`): "kept" divides by their mean over the surviving tokens of the minibatch (all DP ranks),
+    so the surviving weights average 1; "all" (the reference recipe's, verl / slime) divides by the mean of
+    min(xi, is_cap) over every response token, taken before any rejection or masking;
   * metrics, always including the mismatch diagnostics, even when the correction is off.
 
 All decisions are taken on the clamped log-ratio, so thresholds are meaningful inside (e^-20, e^20);
@@ -48,6 +50,7 @@ class CorrectionConfig:
     mode: str = "apply"  # "apply" | "measure": compute every metric, change nothing
     is_cap: float | None = 1.5
     is_batch_normalize: bool = True
+    normalize_over: str = "kept"  # "kept": mean over surviving tokens | "all": over every response token (reference)
     apply_to_kl: bool = False
     veto: float | None = 1e-4
     token_low: float | None = 0.5
@@ -59,6 +62,8 @@ class CorrectionConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("apply", "measure"):
             raise ValueError(f"algo.correction.mode must be 'apply' or 'measure', got {self.mode!r}")
+        if self.normalize_over not in ("kept", "all"):
+            raise ValueError(f"algo.correction.normalize_over must be 'kept' or 'all', got {self.normalize_over!r}")
         for key in ("is_cap", "veto", "token_low", "token_high", "geo_low", "geo_high"):
             value = getattr(self, key)
             if value is not None and value < 0:
@@ -78,6 +83,8 @@ class Correction:
     seq_rejected: Tensor  # (B,) bool
     metrics: dict[str, float] = field(default_factory=dict)
     kl_weights: Tensor | None = None  # (B, T) = weights when cfg.apply_to_kl, else None
+    norm_factor: float = 1.0  # what the capped weights were divided by
+    kept_tokens: float = 0.0  # response tokens left in the loss mask, summed over DP ranks
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,7 @@ class _Decision:
     geo: Tensor  # (B,) bool
     raw_weights: Tensor  # (B, T) min(xi, cap) on kept tokens, 1 elsewhere
     truncated: Tensor  # (B, T) bool: kept token whose weight was capped
+    capped: Tensor  # (B, T) min(xi, cap) on every token (1 everywhere without a cap)
 
 
 def _log(x: float) -> float:
@@ -149,12 +157,30 @@ def _decide(cfg: CorrectionConfig, log_xi: Tensor, on: Tensor) -> _Decision:
     else:
         capped, truncated = torch.ones_like(log_xi), none_tok
     raw = torch.where(keep, capped, torch.ones_like(capped))  # (B, T)
-    return _Decision(keep, low, high, veto, geo, raw, truncated)
+    return _Decision(keep, low, high, veto, geo, raw, truncated, capped)
+
+
+def log_ratio(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(log xi clamped, 0 off the mask; response-token mask as bool), both (B, T), without autograd."""
+    dtype = torch.promote_types(logp_old.dtype, torch.float32)
+    on = mask > 0
+    diff = (logp_old.detach().to(dtype) - logp_sparse.detach().to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.where(on, diff, torch.zeros_like(diff)), on
+
+
+@torch.no_grad()
+def token_decisions(cfg: CorrectionConfig, logp_old: Tensor, logp_sparse: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The per-token part of `correct` for a few whole sequences: (kept (B, T) float mask, min(xi, cap) on kept
+    tokens and 1 elsewhere). Every decision is local to a sequence; only the normalization of the weights needs
+    the whole minibatch, which is what lets the single-update path decide inside each micro-batch."""
+    log_xi, on = log_ratio(logp_old, logp_sparse, mask)
+    d = _decide(cfg, log_xi, on)
+    return mask.detach().to(log_xi.dtype) * d.keep.to(log_xi.dtype), d.raw_weights
 
 
 # Layout of the all-reduced float64 statistics vectors.
 _SUMS = ("tok", "seq", "diff", "abs_diff", "k3", "nll_sparse", "nll_dense",
-         "low", "high", "rejected", "veto", "geo", "kept", "w", "w2", "truncated")
+         "low", "high", "rejected", "veto", "geo", "kept", "w", "w2", "truncated", "w_all")
 _MAXES = ("abs_diff", "w", "neg_w")
 
 
@@ -183,7 +209,7 @@ def _local_stats(log_xi: Tensor, on: Tensor, logp_old: Tensor, logp_sparse: Tens
         s.update(low=d.low.sum().to(f), high=d.high.sum().to(f), rejected=(d.veto | d.geo).sum().to(f),
                  veto=d.veto.sum().to(f), geo=d.geo.sum().to(f), kept=d.keep.sum().to(f),
                  w=torch.where(d.keep, w, 0.0).sum(), w2=torch.where(d.keep, w * w, 0.0).sum(),
-                 truncated=d.truncated.sum().to(f))
+                 truncated=d.truncated.sum().to(f), w_all=torch.where(on, d.capped.to(f), 0.0).sum())
         m.update(w=tmax(w, d.keep), neg_w=tmax(-w, d.keep))
     return torch.stack([s[k] for k in _SUMS]), torch.stack([m[k] for k in _MAXES])
 
@@ -243,29 +269,33 @@ def correct(
                          f"and mask {tuple(mask.shape)} must all be the same (B, T)")
     reduce_max = reduce_max or getattr(reduce_sum, "reduce_max", None) or _identity
     reduce_sum = reduce_sum or _identity
-    dtype = torch.promote_types(logp_old.dtype, torch.float32)
 
     with torch.no_grad():
-        on = mask > 0  # (B, T)
-        diff = (logp_old.detach().to(dtype) - logp_sparse.detach().to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        log_xi = torch.where(on, diff, torch.zeros_like(diff))  # (B, T)
+        log_xi, on = log_ratio(logp_old, logp_sparse, mask)  # (B, T)
+        dtype = log_xi.dtype
         decision = _decide(cfg, log_xi, on) if cfg.enable else None
 
         sums, maxes = _local_stats(log_xi, on, logp_old.detach(), logp_sparse.detach(), decision)
         s = dict(zip(_SUMS, reduce_sum(sums).tolist()))
         m = dict(zip(_MAXES, reduce_max(maxes).tolist()))
-        normalize = decision is not None and cfg.is_batch_normalize and s["kept"] > 0
-        norm_factor = s["w"] / s["kept"] if normalize else 1.0
+        norm_factor = 1.0
+        if decision is not None and cfg.is_batch_normalize:
+            if cfg.normalize_over == "all" and s["tok"] > 0:
+                norm_factor = s["w_all"] / s["tok"]
+            elif cfg.normalize_over == "kept" and s["kept"] > 0:
+                norm_factor = s["w"] / s["kept"]
         metrics = _metrics(s, m, norm_factor, with_correction=decision is not None)
 
         if decision is not None and cfg.mode == "apply":
             weights = torch.where(decision.keep, decision.raw_weights / norm_factor, torch.ones_like(log_xi))
             new_mask = mask.detach().to(dtype) * decision.keep.to(dtype)
             rejected = decision.veto | decision.geo
+            kept = s["kept"]
         else:
             weights = torch.ones_like(log_xi)
             new_mask = mask.detach().to(dtype)
             rejected = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
+            kept, norm_factor = s["tok"], 1.0
 
     kl_weights = weights if cfg.apply_to_kl and decision is not None and cfg.mode == "apply" else None
-    return Correction(weights, new_mask, rejected, metrics, kl_weights), metrics
+    return Correction(weights, new_mask, rejected, metrics, kl_weights, norm_factor, kept), metrics

@@ -14,9 +14,10 @@ import torch.distributed as dist
 
 from sparserl.actor.actor import TrainBatch
 from sparserl.algo.advantages import compute_advantages
-from sparserl.algo.correction import CorrectionConfig, correct, dist_reduce_sum
+from sparserl.algo.aggregation import Normalizer
+from sparserl.algo.correction import CorrectionConfig, correct, dist_reduce_sum, token_decisions
 from sparserl.algo.loss import LossConfig, kl_reward_penalty, policy_objective
-from sparserl.config import AlgoConfig
+from sparserl.config import AlgoConfig, Config
 from sparserl.data.packing import balanced_partition, contiguous_minibatches
 from sparserl.rollout.worker import Sample
 
@@ -28,16 +29,16 @@ def pad(rows: list[list[float]], T: int, device) -> torch.Tensor:
     return out.to(device)
 
 
-def to_train_batch(samples: list[Sample], device) -> tuple[TrainBatch, torch.Tensor]:
-    """Returns the batch (advantages unset) and the sampler log-probs (B, T)."""
+def to_train_batch(samples: list[Sample], device) -> TrainBatch:
+    """The batch with the sampler's log-probs; advantages unset, no dense log-probs yet."""
     T = max(1, max(len(s.response_ids) for s in samples))
-    batch = TrainBatch(
+    return TrainBatch(
         ids=[s.prompt_ids + s.response_ids for s in samples],
         prompt_lens=[len(s.prompt_ids) for s in samples],
         mask=pad([s.loss_mask for s in samples], T, device),
         advantages=torch.zeros(len(samples), device=device),
+        logp_sparse=pad([s.logp_sparse for s in samples], T, device),
     )
-    return batch, pad([s.logp_sparse for s in samples], T, device)
 
 
 def correction_config(algo: AlgoConfig) -> CorrectionConfig:
@@ -45,17 +46,18 @@ def correction_config(algo: AlgoConfig) -> CorrectionConfig:
     return CorrectionConfig(**dataclasses.asdict(algo.correction))
 
 
-def apply_correction(algo: AlgoConfig, batch: TrainBatch, logp_sparse: torch.Tensor, dp_group) -> tuple[torch.Tensor, dict]:
+def apply_correction(algo: AlgoConfig, batch: TrainBatch, dp_group) -> tuple[torch.Tensor, dict]:
     """Sets the batch's correction weights and mask; returns which sequences were rejected (B,) and metrics."""
     cfg = correction_config(algo)
-    corr, metrics = correct(cfg, batch.logp_old, logp_sparse, batch.mask, reduce_sum=dist_reduce_sum(dp_group))
+    corr, metrics = correct(cfg, batch.logp_old, batch.logp_sparse, batch.mask, reduce_sum=dist_reduce_sum(dp_group))
     if cfg.enable and cfg.mode == "apply":
         batch.weights, batch.mask, batch.kl_weights = corr.weights, corr.mask, corr.kl_weights
     return corr.seq_rejected, metrics
 
 
-def set_advantages(algo: AlgoConfig, batch: TrainBatch, samples: list[Sample], n: int, rejected: torch.Tensor,
+def set_advantages(algo: AlgoConfig, batch: TrainBatch, samples: list[Sample], n: int, rejected: torch.Tensor | None,
                    loss_cfg: LossConfig) -> dict:
+    """`rejected` (B,) is None on the single-update path, which is never taken when advantages depend on it."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=batch.mask.device)
     metrics: dict[str, float] = {}
     if loss_cfg.kl_coef and loss_cfg.kl_mode == "reward":
@@ -64,6 +66,7 @@ def set_advantages(algo: AlgoConfig, batch: TrainBatch, samples: list[Sample], n
         metrics.update(m)
     valid = None
     if algo.correction.enable and algo.correction.mode == "apply" and not algo.correction.rejected_in_baseline:
+        assert rejected is not None, "rejected_in_baseline=False needs the correction before the update"
         valid = (~rejected).view(-1, n)
     adv, m = compute_advantages(algo.adv_estimator, rewards.view(-1, n), valid)
     batch.advantages = adv.reshape(-1)
@@ -91,7 +94,78 @@ def make_loss_fn(cfg: LossConfig):
     return loss_fn
 
 
-_PER_TOKEN = ("mask", "logp_old", "logp_ref", "weights", "kl_weights")
+def fused_old_logprobs(cfg: Config) -> tuple[bool, str]:
+    """Whether the update's own forward can supply logp_old (no separate pass), and if not, why.
+
+    With one optimizer step per rollout the old policy IS the learner at the first forward, so the detached
+    log-probs of the loss forward are exactly logp_old. The correction's per-token decisions are local to a
+    sequence; only its global normalizers (the kept-token count and the weights' batch mean) need every
+    micro-batch, and they are applied once to the accumulated gradient (`FusedOldLogprobLoss.finalize`).
+    """
+    a, algo, c = cfg.actor, cfg.algo, cfg.algo.correction
+    applying = c.enable and c.mode == "apply"
+    kl_in_loss = algo.kl.coef != 0 and algo.kl.mode == "loss"
+    if not a.fuse_old_logprobs:
+        return False, "actor.fuse_old_logprobs=false"
+    if a.updates_per_rollout != 1 or a.ppo_epochs != 1:
+        return False, "several optimizer steps per rollout (actor.updates_per_rollout / actor.ppo_epochs > 1)"
+    if algo.kl.coef != 0 and algo.kl.mode == "reward":
+        return False, "algo.kl.mode=reward puts KL(old || ref) into the rewards, before the update"
+    if applying and not c.rejected_in_baseline:
+        return False, "algo.correction.rejected_in_baseline=false: advantages need the rejections before the update"
+    if applying and c.is_batch_normalize and (algo.entropy_coef != 0 or (kl_in_loss and not c.apply_to_kl)):
+        return False, ("the batch-normalized correction weights scale the policy term but not the KL / entropy terms, "
+                       "so one gradient scale cannot apply the normalizer afterwards")
+    return True, ""
+
+
+class FusedOldLogprobLoss:
+    """The loss closure of the single-update path: logp_old = the forward's own log-probs, detached.
+
+    Each micro-batch decides the correction for its sequences (`token_decisions`: masks, veto, capped weights) and
+    computes the loss with the pre-correction token count and unnormalized weights; `finalize` then runs `correct`
+    on the collected log-probs (the same function, over the whole minibatch and every DP rank) and returns the one
+    gradient scale that turns those into the exact normalizers: kept tokens instead of response tokens, and the
+    weights' batch mean. Losses are linear in both, so the update equals the separate-pass one up to rounding.
+    """
+
+    def __init__(self, algo: AlgoConfig, loss_cfg: LossConfig, dp_group) -> None:
+        self.cfg, self.loss_cfg, self.dp_group = correction_config(algo), loss_cfg, dp_group
+        self.applying = self.cfg.enable and self.cfg.mode == "apply"
+        self.metrics: dict[str, float] = {}
+        self._logp_old: torch.Tensor | None = None
+
+    def __call__(self, logp, entropy, batch: TrainBatch, idx, norm):
+        if self._logp_old is None:
+            self._logp_old = torch.zeros_like(batch.mask)
+        T = logp.shape[1]
+        logp_old = logp.detach()  # (b, T)
+        self._logp_old[idx, :T] = logp_old
+        mask = batch.mask[idx, :T]
+        weights = None
+        if self.applying:
+            mask, weights = token_decisions(self.cfg, logp_old, batch.logp_sparse[idx, :T], mask)
+        use_kl = self.loss_cfg.kl_coef != 0 and self.loss_cfg.kl_mode == "loss"
+        return policy_objective(
+            self.loss_cfg, logp, logp_old, batch.advantages[idx][:, None], mask, norm, weights=weights,
+            logp_ref=batch.logp_ref[idx, :T] if use_kl else None, entropy=entropy,
+            kl_weights=weights if use_kl and self.cfg.apply_to_kl else None,
+        )
+
+    def finalize(self, batch: TrainBatch, index: list[int], norm: Normalizer) -> tuple[float, dict[str, float]]:
+        logp_old = self._logp_old if self._logp_old is not None else torch.zeros_like(batch.mask)
+        corr, self.metrics = correct(self.cfg, logp_old[index], batch.logp_sparse[index], batch.mask[index],
+                                     reduce_sum=dist_reduce_sum(self.dp_group))
+        batch.logp_old, self._logp_old = logp_old, None
+        if not self.applying:
+            return 1.0, {}
+        tokens = norm.tokens / corr.kept_tokens if self.loss_cfg.loss_agg == "token" and corr.kept_tokens > 0 else 1.0
+        pg = tokens / corr.norm_factor
+        kl = pg if self.cfg.apply_to_kl else tokens
+        return pg, {"actor/loss": pg, "actor/pg_loss": pg, "actor/kl": kl, "actor/entropy": tokens}
+
+
+_PER_TOKEN = ("mask", "logp_old", "logp_sparse", "logp_ref", "weights", "kl_weights")
 
 
 def balance_ranks(batch: TrainBatch, num_minibatches: int, dp_group) -> tuple[TrainBatch, list[list[int]], dict]:

@@ -7,7 +7,6 @@ the work happens in the functions it calls.
 """
 from __future__ import annotations
 
-import resource
 import sys
 import time
 from pathlib import Path
@@ -20,11 +19,12 @@ from sparserl.config import Config, load_config
 from sparserl.rollout.weight_sync import sync_weights
 from sparserl.rollout.worker import rollout
 from sparserl.trainer import setup as S
-from sparserl.trainer.batch import (apply_correction, balance_ranks, loss_config, make_loss_fn, set_advantages,
-                                    to_train_batch)
+from sparserl.trainer.batch import (FusedOldLogprobLoss, apply_correction, balance_ranks, fused_old_logprobs, loss_config,
+                                    make_loss_fn, set_advantages, to_train_batch)
 from sparserl.trainer.metrics import gather_step_metrics
 from sparserl.utils.errors import run_main
 from sparserl.utils.logging import log0, progress
+from sparserl.utils.memory import PhasePeaks, peak_rss_gb, release_free_memory, rss_bytes
 from sparserl.utils.seed import rng_state, set_rng_state, set_seed
 from sparserl.utils.timers import Timers
 
@@ -64,7 +64,10 @@ def train(cfg: Config) -> None:
     logger.truncate_after(start)
     sync_weights(actor.full_state(), engine)
     loss_cfg = loss_config(cfg.algo)
-    timers = Timers()
+    fused, why_not = fused_old_logprobs(cfg)
+    log0("old log-probs: from the update's own forward (one update per rollout)" if fused else
+         f"old log-probs: a separate forward pass ({why_not})")
+    timers = Timers(memory=PhasePeaks(info.device))
 
     for step in range(start + 1, cfg.trainer.total_steps + 1):
         t_step = time.perf_counter()
@@ -81,16 +84,20 @@ def train(cfg: Config) -> None:
             samples, rollout_metrics = rollout(_Progress(engine, bar), tokenizer, inputs.env, step_rows, texts, params,
                                                max_turns=cfg.env.max_turns)
         engine.sleep()
+        release_free_memory()
 
-        # 4: dense log-probs of the sampled tokens under the same weights (and the reference).
-        batch, logp_sparse = to_train_batch(samples, info.device)
-        with timers("old_logprobs"):
-            batch.logp_old = actor.logprobs(batch)
-            if ref is not None:
+        # 4: dense log-probs of the sampled tokens under the same weights (and the reference). On the
+        # single-update path logp_old comes out of the update's own forward instead (step 7).
+        batch = to_train_batch(samples, info.device)
+        if not fused:
+            with timers("old_logprobs"):
+                batch.logp_old = actor.logprobs(batch)
+        if ref is not None:
+            with timers("ref_logprobs"):
                 batch.logp_ref = ref.logprobs(batch)
 
-        # 5-6: sparse/dense mismatch correction, then group advantages.
-        rejected, correction_metrics = apply_correction(cfg.algo, batch, logp_sparse, actor.dp_group)
+        # 5-6: sparse/dense mismatch correction (inside the update on the single-update path), then advantages.
+        rejected, correction_metrics = apply_correction(cfg.algo, batch, actor.dp_group) if not fused else (None, {})
         adv_metrics = set_advantages(cfg.algo, batch, samples, params.n, rejected, loss_cfg)
 
         # 7: the update (sequences first spread so every DP rank trains on the same number of tokens), then
@@ -99,8 +106,12 @@ def train(cfg: Config) -> None:
             minibatches, balance_metrics = None, {}
             if cfg.actor.balance_ranks:
                 batch, minibatches, balance_metrics = balance_ranks(batch, cfg.actor.updates_per_rollout, actor.dp_group)
-            actor_metrics = actor.update(batch, make_loss_fn(loss_cfg), cfg.actor.updates_per_rollout, cfg.actor.ppo_epochs,
+            loss_fn = FusedOldLogprobLoss(cfg.algo, loss_cfg, actor.dp_group) if fused else make_loss_fn(loss_cfg)
+            actor_metrics = actor.update(batch, loss_fn, cfg.actor.updates_per_rollout, cfg.actor.ppo_epochs,
                                          minibatches=minibatches)
+            if fused:
+                correction_metrics = loss_fn.metrics
+        release_free_memory()
         with timers("weight_sync"):
             sync_weights(actor.full_state(), engine)
 
@@ -109,6 +120,7 @@ def train(cfg: Config) -> None:
                                       time.perf_counter() - t_step, actor.dp_group, info.device)
         metrics.update(correction_metrics | adv_metrics | balance_metrics | actor_metrics)
         metrics["mem/peak_gb"] = peak_memory_gb(info.device)
+        metrics["mem/rss_gb"] = rss_gb()
         logger.log(step, metrics)
         last = step == cfg.trainer.total_steps or step == cfg.trainer.stop_after
         if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or last:
@@ -138,7 +150,11 @@ def export_final(cfg: Config, actor, tokenizer, rank: int) -> None:
 def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return peak_rss_gb()
+
+
+def rss_gb() -> float:
+    return rss_bytes() / 2**30
 
 
 def main(argv: list[str] | None = None) -> None:

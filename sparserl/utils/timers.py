@@ -27,15 +27,21 @@ def _sync() -> None:
 
 
 class Timers:
-    def __init__(self) -> None:
+    """With `memory` (a `utils.memory.PhasePeaks`), each phase also reports its peak memory as `mem/<name>_peak_gb`."""
+
+    def __init__(self, memory=None) -> None:
         self._seconds: dict[str, float] = {}
+        self._peaks: dict[str, float] = {}
         self._running: set[str] = set()
+        self.memory = memory
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         assert name not in self._running, f"timer {name!r} is already running"
         self._running.add(name)
         _sync()
+        if self.memory is not None:
+            self.memory.start()
         start = time.perf_counter()
         try:
             yield
@@ -44,9 +50,12 @@ class Timers:
             elapsed = time.perf_counter() - start
             self._running.discard(name)
             self._seconds[name] = self._seconds.get(name, 0.0) + elapsed
+            if self.memory is not None:
+                self._peaks[name] = max(self._peaks.get(name, 0.0), self.memory.stop())
 
     def pop(self) -> dict[str, float]:
-        """Accumulated seconds as `{"perf/<name>_s": seconds}`; resets all timers."""
+        """Accumulated seconds as `{"perf/<name>_s": seconds}` (and `mem/<name>_peak_gb`); resets all timers."""
         out = {f"perf/{name}_s": seconds for name, seconds in self._seconds.items()}
-        self._seconds = {}
+        out.update({f"mem/{name}_peak_gb": gb for name, gb in self._peaks.items()})
+        self._seconds, self._peaks = {}, {}
         return out

@@ -1,0 +1,89 @@
+"""Memory of this process: current and per-phase peak, on CPU (resident set size) and CUDA (allocator).
+
+`PhasePeaks` answers "which phase of the step holds the peak?": `Timers(memory=PhasePeaks(device))` reports
+`mem/<phase>_peak_gb` next to `perf/<phase>_s`. On CUDA it reads the caching allocator's peak, reset at each
+phase start. On CPU there is no allocator peak to read, so a daemon thread samples the resident set size
+(`/proc/self/statm`) every `interval_s` and keeps the maximum since the phase began; a spike shorter than the
+interval can be missed, which is why the whole-run `ru_maxrss` (`mem/peak_gb`) is logged as well.
+
+`release_free_memory()` hands freed heap pages back to the OS on glibc (`malloc_trim`); the trainer calls it
+between phases so the resident set follows what is live instead of the largest step so far.
+Left out on purpose: per-tensor attribution (use torch.profiler or the CUDA memory snapshot for that).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import resource
+import threading
+
+import torch
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process (0 where /proc is absent)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+_libc = None
+
+
+def release_free_memory() -> None:
+    """Return free heap memory to the OS (glibc malloc_trim; a no-op elsewhere) and drop CUDA's cached blocks."""
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _libc = ctypes.CDLL(name) if name else False
+        except OSError:
+            _libc = False
+    if _libc and hasattr(_libc, "malloc_trim"):
+        _libc.malloc_trim(0)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+class PhasePeaks:
+    def __init__(self, device: torch.device, interval_s: float = 0.02) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.interval_s = interval_s
+        self._peak = 0
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        event = threading.Event()
+        while not event.wait(self.interval_s):
+            value = rss_bytes()
+            with self._lock:
+                self._peak = max(self._peak, value)
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        with self._lock:
+            self._peak = rss_bytes()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._sample, name="sparserl-rss", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> float:
+        """Peak in GiB since `start()`."""
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        value = rss_bytes()
+        with self._lock:
+            return max(self._peak, value) / 2**30
