@@ -74,7 +74,8 @@ class Actor:
         if activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.config = model.config
-        self.model = parallelize(model, mesh, param_dtype=parse_dtype(compute_dtype), reduce_dtype=torch.float32)
+        compute = parse_dtype(compute_dtype)  # gradients are reduced in fp32 (fp64 for an fp64 model)
+        self.model = parallelize(model, mesh, param_dtype=compute, reduce_dtype=torch.promote_types(compute, torch.float32))
         self.dp_size = mesh["dp"].size()
         self.dp_group = mesh["dp"].get_group()
         self.optimizer = self.scheduler = None
@@ -108,9 +109,11 @@ class Actor:
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Dense log-probs of every response token under the current weights: (B, T)."""
         T = batch.mask.shape[1]
-        out = torch.zeros(len(batch), T, device=self.device)
+        out = None
         for mb in self._microbatches(batch, list(range(len(batch)))):
             logp, _ = self._forward(batch, mb, with_entropy=False)
+            if out is None:  # float32, or float64 for a float64 model
+                out = torch.zeros(len(batch), T, device=self.device, dtype=logp.dtype)
             for row, i in enumerate(mb):
                 out[i, : logp.shape[1]] = logp[row]
         return out

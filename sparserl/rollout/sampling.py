@@ -17,10 +17,10 @@ def processed_logprobs(
     temperature: torch.Tensor | float,  # (B,) or scalar; 0 means greedy -> reported at temperature 1
     top_p: torch.Tensor | float = 1.0,  # (B,) or scalar
     top_k: torch.Tensor | int = 0,  # (B,) or scalar; 0 = off
-) -> torch.Tensor:  # (B, V) float32 log-probs, -inf outside the kept set
-    logits = logits.float()
+) -> torch.Tensor:  # (B, V) float32 (float64 for float64 logits) log-probs, -inf outside the kept set
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32, or float64 when given
     B = logits.shape[0]
-    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).expand(B)
+    temperature = torch.as_tensor(temperature, dtype=logits.dtype, device=logits.device).expand(B)
     temperature = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     logits = logits / temperature[:, None]
     top_k = torch.as_tensor(top_k, device=logits.device).expand(B)

@@ -137,7 +137,7 @@ class FusedOldLogprobLoss:
 
     def __call__(self, logp, entropy, batch: TrainBatch, idx, norm):
         if self._logp_old is None:
-            self._logp_old = torch.zeros_like(batch.mask)
+            self._logp_old = torch.zeros_like(batch.mask, dtype=logp.dtype)
         T = logp.shape[1]
         logp_old = logp.detach()  # (b, T)
         self._logp_old[idx, :T] = logp_old
