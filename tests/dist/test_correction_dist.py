@@ -1,4 +1,5 @@
-"""The batch renormalization and the metrics of `correct` are the same on 1 and 2 processes (gloo, CPU)."""
+"""The batch renormalization and the metrics of `correct` are the same on 1 and 2 processes (gloo, CPU), with the
+weights normalized over the kept tokens or over every response token (the reference recipe's choice)."""
 import os
 import socket
 import tempfile
@@ -10,6 +11,8 @@ import torch.multiprocessing as mp
 
 from sparserl.algo.aggregation import count_normalizer
 from sparserl.algo.correction import CorrectionConfig, correct, dist_reduce_sum
+
+import dataclasses
 
 CFG = CorrectionConfig(token_high=None, geo_low=0.5, geo_high=2.0)
 
@@ -31,13 +34,14 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, out_dir):
+def _worker(rank, world, port, out_dir, normalize_over):
+    cfg = dataclasses.replace(CFG, normalize_over=normalize_over)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         logp_old, logp_sparse, mask = (t.chunk(world)[rank] for t in _batch())
         reduce = dist_reduce_sum()
-        corr, metrics = correct(CFG, logp_old, logp_sparse, mask, reduce_sum=reduce)
-        local, _ = correct(CFG, logp_old, logp_sparse, mask)  # no reduction: this rank only
+        corr, metrics = correct(cfg, logp_old, logp_sparse, mask, reduce_sum=reduce)
+        local, _ = correct(cfg, logp_old, logp_sparse, mask)  # no reduction: this rank only
         norm = count_normalizer([corr.mask], reduce_sum=reduce)
         torch.save({"weights": corr.weights, "mask": corr.mask, "rejected": corr.seq_rejected,
                     "metrics": metrics, "local_weights": local.weights, "norm": norm},
@@ -46,12 +50,13 @@ def _worker(rank, world, port, out_dir):
         dist.destroy_process_group()
 
 
-def test_renormalization_matches_single_process():
+@pytest.mark.parametrize("normalize_over", ["kept", "all"])
+def test_renormalization_matches_single_process(normalize_over):
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, _free_port(), out_dir, normalize_over), nprocs=2, join=True)
         parts = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
 
-    full, metrics = correct(CFG, *_batch())
+    full, metrics = correct(dataclasses.replace(CFG, normalize_over=normalize_over), *_batch())
     weights = torch.cat([p["weights"] for p in parts])
     torch.testing.assert_close(weights, full.weights, rtol=0, atol=1e-6)
     assert torch.equal(torch.cat([p["mask"] for p in parts]), full.mask)
@@ -65,3 +70,4 @@ def test_renormalization_matches_single_process():
     # the test can tell: renormalizing with each rank's own mean gives different weights
     local = torch.cat([p["local_weights"] for p in parts])
     assert (local - full.weights).abs().max().item() > 1e-3
+    assert all(p["norm"].tokens == full.kept_tokens for p in parts)

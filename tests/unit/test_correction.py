@@ -184,3 +184,27 @@ def test_config_and_shape_errors():
         CorrectionConfig(is_cap=-1.0)
     with pytest.raises(ValueError, match="same"):
         correct(CorrectionConfig(), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 4))
+
+
+@pytest.mark.parametrize("normalize_over", ["kept", "all"])
+def test_normalize_over_kept_vs_all_hand_example(normalize_over):
+    """`kept` divides by the mean capped weight of the surviving tokens; `all` (verl / slime) by the mean over every
+    response token, before the veto and the token band remove any."""
+    logp_old, logp_sparse, mask = _paper_batch()
+    corr, metrics = correct(CorrectionConfig(normalize_over=normalize_over), logp_old, logp_sparse, mask)
+    # capped xi of all 10 response tokens: 1, 1.2, 1.5 (2.0 capped), 0.8 | 1e-5, 1, 1 | 0.4, 1.4, 1
+    m = 5.4 / 5 if normalize_over == "kept" else (4.5 + 2.00001 + 2.8) / 10
+    assert corr.norm_factor == pytest.approx(m) and metrics["correction/norm_factor"] == pytest.approx(m)
+    assert corr.kept_tokens == 5.0
+    expected_mask = torch.tensor([[1, 1, 0, 1], [0, 0, 0, 0], [0, 1, 1, 0]], dtype=F64)
+    assert torch.equal(corr.mask, expected_mask)  # rejection and masking do not depend on the normalization
+    expected_w = torch.tensor([[1 / m, 1.2 / m, 1, 0.8 / m], [1, 1, 1, 1], [1, 1.4 / m, 1 / m, 1]], dtype=F64)
+    torch.testing.assert_close(corr.weights, expected_w)
+    # token-mean PPO loss at ratio 1: -sum(A_i * w_t) over kept tokens / 5 kept tokens
+    adv = torch.tensor([[1.0], [-1.0], [0.5]], dtype=F64)
+    norm = count_normalizer([corr.mask])
+    loss, _ = policy_objective(LossConfig(), logp_old.clone(), logp_old, adv, corr.mask, norm, weights=corr.weights)
+    expected = -(1.0 * (1 + 1.2 + 0.8) + 0.5 * (1.4 + 1.0)) / m / 5
+    assert loss.item() == pytest.approx(expected)
+    if normalize_over == "all":  # the surviving weights no longer average 1
+        assert corr.weights[corr.mask > 0].mean().item() == pytest.approx(1.08 / m)
