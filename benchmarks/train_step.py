@@ -1,12 +1,18 @@
-"""Seconds per training step and their split (rollout / old log-probs / update / weight sync), and the
-training throughput of packed vs padded micro-batches on one rollout.
+"""Seconds per training step and their split (rollout / old log-probs / update / weight sync), peak memory per
+process, and the training throughput of packed vs padded micro-batches on one rollout.
 
     python benchmarks/train_step.py --nproc 2 --steps 3 [key=value overrides ...]
+    python benchmarks/train_step.py --workload mawps --nproc 1 --steps 3 --trl --skip-packing
     python benchmarks/train_step.py --packing-only
 
 Part 1 runs `sparserl.trainer.grpo` under torchrun for `--steps` steps in a temporary folder (default preset
-unless overridden) and prints the mean of each timing over the steps after the first (the first includes
-warm-up).
+unless overridden) and prints every step's timings and memory: `mem/peak_gb` is rank 0's peak RSS so far (CPU)
+or allocator peak (CUDA), `mem/peak_gb_max_rank` the largest over ranks, `mem/<phase>_peak_gb` the peak inside
+each phase (what holds the peak), then the mean of each timing over the steps after the first (warm-up).
+`--workload mawps` is the comparison workload: 16 MAWPS prompts x 4 samples, 128 new tokens, one optimizer step
+per rollout, Dr.GRPO advantages, lr 1e-6, no KL, fp32 everywhere. With `--trl` the same workload also runs in
+Hugging Face TRL's GRPOTrainer (benchmarks/trl_workload.py; TRL must be installed separately) and a table puts
+the two side by side.
 
 Part 2 samples one rollout with the native engine (GSM8K questions, `--pack-n` samples each, up to
 `--pack-new-tokens` tokens, stopping at EOS, so lengths are long-tailed as in RL) and times forward+backward of
@@ -32,27 +38,84 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import gsm8k_prompts, machine, print_table  # noqa: E402
+from benchmarks.common import SHARED_DATA, gsm8k_prompts, machine, print_table  # noqa: E402
 
-KEYS = ["perf/step_s", "perf/rollout_s", "perf/old_logprobs_s", "perf/update_s", "perf/weight_sync_s",
+KEYS = ["perf/step_s", "perf/rollout_s", "perf/old_logprobs_s", "perf/ref_logprobs_s", "perf/update_s", "perf/weight_sync_s",
         "perf/rollout_tok_s", "perf/train_tok_s", "perf/dp_load_imbalance_before", "perf/dp_load_imbalance",
-        "response/len_mean", "mem/peak_gb"]
+        "response/len_mean", "mem/peak_gb", "mem/peak_gb_max_rank"]
+PHASES = ["rollout", "old_logprobs", "ref_logprobs", "update", "weight_sync"]
+
+WORKLOADS = {
+    "mawps": ["data.train_path=" + str(SHARED_DATA / "eval" / "mawps.jsonl"), "data.prompt_key=input",
+              "data.answer_key=target", "env.path=envs/math.py",
+              "data.system_prompt='Solve the problem and put your final answer within \\boxed{}.'",
+              "rollout.n=4", "trainer.prompts_per_step=16", "rollout.max_new_tokens=128", "algo.adv_estimator=drgrpo",
+              "actor.lr=1e-6", "model.compute_dtype=float32", "rollout.dtype=float32"],
+}
 
 
-def step_timings(args) -> None:
+def run_trainer(args) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                "-m", "sparserl.trainer.grpo", f"trainer.total_steps={args.steps}", f"trainer.output_dir={tmp}/run",
-               "trainer.export_hf=false", *args.overrides]
+               "trainer.export_hf=false", *WORKLOADS.get(args.workload, []), *args.overrides]
         env = {**os.environ, "SPARSERL_PROGRESS": "0"}
         res = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if res.returncode != 0:
             sys.exit(f"training failed:\n{res.stderr[-3000:]}")
-        rows = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
+        return [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
+
+
+def step_table(rows: list[dict]) -> None:
+    phases = [p for p in PHASES if any(f"perf/{p}_s" in r for r in rows)]
+    headers = ["step", "s/step", *[f"{p} s" for p in phases], "peak GB (rank 0)", "peak GB (max rank)",
+               *[f"{p} peak GB" for p in phases], "RSS GB end"]
+    print_table(headers, [[int(r["step"]), r["perf/step_s"], *[r.get(f"perf/{p}_s", 0.0) for p in phases], r["mem/peak_gb"],
+                           r.get("mem/peak_gb_max_rank", r["mem/peak_gb"]), *[r.get(f"mem/{p}_peak_gb", 0.0) for p in phases],
+                           r.get("mem/rss_gb", 0.0)] for r in rows], title="sparserl, every step")
+
+
+def step_timings(args) -> list[dict]:
+    rows = run_trainer(args)
     timed = rows[1:] or rows
-    print(f"machine: {machine()}\nprocesses: {args.nproc}; overrides: {' '.join(args.overrides) or '(default preset)'}\n")
+    print(f"machine: {machine()}\nprocesses: {args.nproc}; workload: {args.workload or '(default preset)'}; "
+          f"overrides: {' '.join(args.overrides) or '-'}\n")
+    step_table(rows)
+    print()
     print_table(["metric", "mean over steps 2.." + str(len(rows))],
                 [[k, f"{sum(r.get(k, 0.0) for r in timed) / len(timed):.3f}"] for k in KEYS])
+    return rows
+
+
+def trl_steps(args) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "trl.json"
+        cmd = [sys.executable, str(Path(__file__).with_name("trl_workload.py")), str(out), "--steps", str(args.steps)]
+        res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        if res.returncode != 0:
+            sys.exit(f"TRL run failed:\n{res.stderr[-3000:]}")
+        return json.loads(out.read_text())["steps"]
+
+
+def side_by_side(ours: list[dict], trl: list[dict]) -> None:
+    def span(values):
+        return f"{min(values):.0f}-{max(values):.0f}" if len(values) > 1 else f"{values[0]:.0f}"
+
+    def peaks(values):
+        return " -> ".join(f"{v:.2f}" for v in values)
+
+    o, t = ours[1:] or ours, trl[1:] or trl
+    rows = [["TRL GRPOTrainer", span([r["step_s"] for r in t]), span([r["rollout_s"] for r in t]), "-",
+             span([r["step_s"] - r["rollout_s"] for r in t]), peaks([r["peak_gb"] for r in trl])],
+            ["sparserl", span([r["perf/step_s"] for r in o]), span([r["perf/rollout_s"] for r in o]),
+             span([r.get("perf/old_logprobs_s", 0.0) for r in o]) if any("perf/old_logprobs_s" in r for r in o) else "-",
+             span([r["perf/update_s"] + r.get("perf/weight_sync_s", 0.0) for r in o]),
+             peaks([r.get("mem/peak_gb_max_rank", r["mem/peak_gb"]) for r in ours])]]
+    print_table(["system", "s/step (steps 2..)", "rollout s", "old log-probs s", "rest of step s", "peak memory GB per step"],
+                rows, title="side by side, one run")
+    ratio_t = (sum(r["step_s"] for r in t) / len(t)) / (sum(r["perf/step_s"] for r in o) / len(o))
+    ratio_m = max(r["peak_gb"] for r in trl) / max(r.get("mem/peak_gb_max_rank", r["mem/peak_gb"]) for r in ours)
+    print(f"\nTRL / sparserl: step time {ratio_t:.2f}x, peak memory {ratio_m:.2f}x")
 
 
 def sample_rollout(model, tokenizer, args) -> list[tuple[list[int], int]]:
@@ -135,6 +198,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default=None)
+    ap.add_argument("--trl", action="store_true", help="also run the workload in TRL's GRPOTrainer (needs trl installed)")
     ap.add_argument("--packing-only", action="store_true", help="skip part 1 (the trainer run)")
     ap.add_argument("--skip-packing", action="store_true", help="skip part 2 (packed vs padded)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -146,8 +211,15 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if not args.packing_only:
-        step_timings(args)
+        ours = step_timings(args)
         print()
+        if args.trl:
+            trl = trl_steps(args)
+            print_table(["step", "s/step", "rollout s", "peak GB"], [[i + 1, r["step_s"], r["rollout_s"], r["peak_gb"]]
+                                                                  for i, r in enumerate(trl)], title="TRL GRPOTrainer, every step")
+            print()
+            side_by_side(ours, trl)
+            print()
     if not args.skip_packing:
         packing_throughput(args)
 

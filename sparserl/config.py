@@ -74,6 +74,7 @@ class RolloutConfig:
     kv_pool_tokens: int = 0  # slots per layer; 0 = enough for every sequence of a step, densely
     max_num_seqs: int = 256
     max_batch_tokens: int = 8192
+    release_weights: bool = True  # the native engine drops its weight copy while the actor trains (refilled by the sync)
     kv: KVConfig = field(default_factory=KVConfig)
 
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from sparserl.actor import checkpoint
 from sparserl.actor.hf import export_hf
@@ -119,8 +120,7 @@ def train(cfg: Config) -> None:
         metrics = gather_step_metrics(step, samples, rollout_metrics, engine.stats(), batch, timers.pop(),
                                       time.perf_counter() - t_step, actor.dp_group, info.device)
         metrics.update(correction_metrics | adv_metrics | balance_metrics | actor_metrics)
-        metrics["mem/peak_gb"] = peak_memory_gb(info.device)
-        metrics["mem/rss_gb"] = rss_gb()
+        metrics.update(memory_metrics(info.device, actor.dp_group))
         logger.log(step, metrics)
         last = step == cfg.trainer.total_steps or step == cfg.trainer.stop_after
         if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or last:
@@ -153,8 +153,13 @@ def peak_memory_gb(device: torch.device) -> float:
     return peak_rss_gb()
 
 
-def rss_gb() -> float:
-    return rss_bytes() / 2**30
+def memory_metrics(device: torch.device, group) -> dict[str, float]:
+    """This rank's peak and current memory (`mem/peak_gb`, `mem/rss_gb`) and the largest peak of any DP rank."""
+    peak = peak_memory_gb(device)
+    top = torch.tensor([peak], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    return {"mem/peak_gb": peak, "mem/peak_gb_max_rank": float(top), "mem/rss_gb": rss_bytes() / 2**30}
 
 
 def main(argv: list[str] | None = None) -> None:

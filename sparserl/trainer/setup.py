@@ -96,7 +96,7 @@ def build_rollout_engine(cfg: Config, model_path: str, tokenizer, device: torch.
         model = load_model(model_path, cfg.rollout.dtype, device)
         return build_engine("native", model=model, tokenizer=tokenizer, num_slots=num_slots,
                             max_num_seqs=cfg.rollout.max_num_seqs, max_batch_tokens=cfg.rollout.max_batch_tokens,
-                            seed=seed, kv=kv_policy(cfg))
+                            seed=seed, kv=kv_policy(cfg), release_weights=cfg.rollout.release_weights)
     return build_engine(cfg.rollout.engine, cfg=cfg, model_path=model_path, tokenizer=tokenizer)
 
 

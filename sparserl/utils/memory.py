@@ -55,7 +55,7 @@ def release_free_memory() -> None:
 
 
 class PhasePeaks:
-    def __init__(self, device: torch.device, interval_s: float = 0.02) -> None:
+    def __init__(self, device: torch.device, interval_s: float = 0.1) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
         self.interval_s = interval_s
@@ -79,6 +79,10 @@ class PhasePeaks:
         if self._thread is None:
             self._thread = threading.Thread(target=self._sample, name="sparserl-rss", daemon=True)
             self._thread.start()
+
+    def current(self) -> float:
+        """Memory in use now, GiB: allocated on CUDA, resident on CPU."""
+        return (torch.cuda.memory_allocated(self.device) if self.cuda else rss_bytes()) / 2**30
 
     def stop(self) -> float:
         """Peak in GiB since `start()`."""

@@ -27,11 +27,13 @@ def _sync() -> None:
 
 
 class Timers:
-    """With `memory` (a `utils.memory.PhasePeaks`), each phase also reports its peak memory as `mem/<name>_peak_gb`."""
+    """With `memory` (a `utils.memory.PhasePeaks`), each phase also reports its peak memory as `mem/<name>_peak_gb`
+    and the memory in use when it ended as `mem/<name>_end_gb`: in phase order, a coarse timeline of the step."""
 
     def __init__(self, memory=None) -> None:
         self._seconds: dict[str, float] = {}
         self._peaks: dict[str, float] = {}
+        self._ends: dict[str, float] = {}
         self._running: set[str] = set()
         self.memory = memory
 
@@ -52,10 +54,12 @@ class Timers:
             self._seconds[name] = self._seconds.get(name, 0.0) + elapsed
             if self.memory is not None:
                 self._peaks[name] = max(self._peaks.get(name, 0.0), self.memory.stop())
+                self._ends[name] = self.memory.current()
 
     def pop(self) -> dict[str, float]:
         """Accumulated seconds as `{"perf/<name>_s": seconds}` (and `mem/<name>_peak_gb`); resets all timers."""
         out = {f"perf/{name}_s": seconds for name, seconds in self._seconds.items()}
         out.update({f"mem/{name}_peak_gb": gb for name, gb in self._peaks.items()})
-        self._seconds, self._peaks = {}, {}
+        out.update({f"mem/{name}_end_gb": gb for name, gb in self._ends.items()})
+        self._seconds, self._peaks, self._ends = {}, {}, {}
         return out

@@ -162,6 +162,24 @@ def test_update_weights_sleep_wake():
         engine.update_weights([("nope.weight", torch.zeros(1))])
 
 
+def test_sleep_can_release_the_weights_until_the_next_update():
+    model = tiny_model("llama", seed=0)
+    saved = {n: t.clone() for n, t in model.state_dict().items()}
+    engine = build_engine("native", model=model, num_slots=256, eos_token_ids=[], release_weights=True)
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    before = [g.token_ids for g in engine.generate(requests(params))]
+    engine.sleep()
+    assert all(p.numel() == 0 for p in model.parameters())  # the storage is gone while the actor trains
+    with pytest.raises(RuntimeError, match="update_weights"):
+        engine.wake()
+    engine.update_weights(list(saved.items())[:3])  # a first bucket: still incomplete
+    with pytest.raises(RuntimeError, match="update_weights"):
+        engine.wake()
+    engine.update_weights(list(saved.items())[3:])
+    engine.wake()
+    assert [g.token_ids for g in engine.generate(requests(params))] == before
+
+
 def test_bf16_runs_and_tracks_fp32():
     engine = NativeEngine(tiny_model("llama", dtype=torch.bfloat16), num_slots=512, eos_token_ids=[])
     gens = engine.generate(requests(SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)))

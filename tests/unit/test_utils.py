@@ -162,6 +162,23 @@ def test_timers_accumulate_and_reset():
     assert timers.pop() == {}
 
 
+def test_timers_report_the_peak_memory_of_each_phase():
+    from sparserl.utils.memory import PhasePeaks, release_free_memory
+
+    timers = Timers(memory=PhasePeaks(torch.device("cpu"), interval_s=0.01))
+    with timers("small"):
+        time.sleep(0.05)
+    with timers("big"):
+        x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        time.sleep(0.05)
+        del x
+    release_free_memory()
+    out = timers.pop()
+    assert out["mem/big_peak_gb"] - out["mem/small_peak_gb"] > 60 / 1024
+    assert out["mem/big_end_gb"] < out["mem/big_peak_gb"] - 60 / 1024  # freed before the phase ended
+    assert timers.pop() == {}
+
+
 def _draws() -> tuple:
     return random.random(), np.random.rand(), torch.rand(4).tolist(), torch.randint(0, 10**6, (3,)).tolist()
 

@@ -48,8 +48,11 @@ class NativeEngine:
         seed: int = 0,
         eos_token_ids: Iterable[int] | None = None,
         kv: KVPolicyConfig | None = None,
+        release_weights: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        # True: sleep() also drops the weights (the actor pushes fresh ones after every update anyway).
+        self.release_weights = release_weights
         self.runner = ModelRunner(model, num_slots)
         self.num_slots = num_slots
         self.max_num_seqs = max_num_seqs
@@ -67,6 +70,8 @@ class NativeEngine:
 
     # ----------------------------------------------------------------- lifecycle
     def wake(self) -> None:
+        if self.runner.weights_released:
+            raise RuntimeError("the rollout engine's weights were released by sleep(); push weights (update_weights) before wake()")
         self.runner.allocate()
         self._awake = True
 
@@ -74,6 +79,8 @@ class NativeEngine:
         self.runner.release()
         if self.compression is not None:
             self.compression.release()
+        if self.release_weights:
+            self.runner.release_weights()
         self._awake = False
 
     def update_weights(self, named_tensors) -> None:

@@ -88,6 +88,7 @@ class ModelRunner:
         self.k_cache: list[torch.Tensor] | None = None
         self.v_cache: list[torch.Tensor] | None = None
         self.table = SlotTable(self.device)
+        self._released: dict[int, torch.Size] = {}  # id(parameter) -> shape, while the storage is dropped
 
     @property
     def bytes_per_slot(self) -> int:
@@ -166,6 +167,17 @@ class ModelRunner:
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
 
+    def release_weights(self) -> None:
+        """Drop the parameters' storage while the actor trains; `load_weights` allocates it again."""
+        for p in self.model.parameters():
+            if p.numel():
+                self._released[id(p)] = p.shape
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    @property
+    def weights_released(self) -> bool:
+        return bool(self._released)
+
     @torch.no_grad()
     def load_weights(self, named_tensors) -> int:
         """Copy full tensors into the model's parameters and buffers by name; returns how many were loaded."""
@@ -176,8 +188,12 @@ class ModelRunner:
             target = params.get(name)
             if target is None:
                 raise KeyError(f"update_weights: the rollout model has no parameter named {name!r}")
-            if target.shape != tensor.shape:
-                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, the rollout model expects {tuple(target.shape)}")
+            shape = self._released.get(id(target), target.shape)
+            if shape != tensor.shape:
+                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, the rollout model expects {tuple(shape)}")
+            if id(target) in self._released:
+                target.data = torch.empty(shape, dtype=target.dtype, device=target.device)
+                del self._released[id(target)]
             target.copy_(tensor.to(device=target.device, dtype=target.dtype), non_blocking=True)
             n += 1
         return n
