@@ -35,7 +35,7 @@ from sparserl.rollout.sampling import processed_logprobs
 
 HEAD_ATTR = "sparserl_logprob_head"
 SHARD_ATTR = "sparserl_vocab_shard"  # set on a vocabulary-split head by parallelize
-DEFAULT_CHUNK_MB = 256
+DEFAULT_CHUNK_MB = 64
 
 
 @dataclass
