@@ -6,7 +6,7 @@ A random 2-layer decoder with SmolLM2-135M's width (hidden 576) and the given vo
 151,936 Qwen2.5's) computes the log-probs of `--tokens` response tokens (8 sequences, 16-token prompts) with
 `packed_logprobs`, twice per setting: without autograd (the old/reference log-prob pass) and forward + backward of
 a loss on them (the update). `chunk 0` materializes the (tokens x vocabulary) logits at once (as before the
-chunked head); the default chunk bounds one fp32 logit buffer to 256 MB. Each measurement runs in a fresh
+chunked head); the default chunk bounds one fp32 logit buffer to 64 MB. Each measurement runs in a fresh
 process; the number is the peak minus the memory in use just before (resident set on CPU, allocator on CUDA).
 """
 from __future__ import annotations
@@ -55,8 +55,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--vocab", type=int, nargs="+", default=[49152, 151936])
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--chunks", type=float, nargs="+", default=[0, 256])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--chunks", type=float, nargs="+", default=[0, 64])
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--grad", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--chunk-mb", type=float, default=256, help=argparse.SUPPRESS)
