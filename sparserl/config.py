@@ -62,6 +62,23 @@ class KVConfig:
 
 
 @dataclass
+class SGLangConfig:
+    """Start-up settings of the SGLang engine (rollout.engine=sglang); see docs/sglang.md."""
+
+    attention_backend: str = "auto"  # auto: torch_native on CPU, SGLang's choice on GPU
+    dtype: str = "auto"  # auto: rollout.dtype
+    mem_fraction_static: float = 0.5  # device memory for weights + KV pool; the actor shares the device
+    max_total_tokens: int = 0  # KV pool tokens; 0: rollout.kv_pool_tokens, else every sequence of a step, densely
+    max_running_requests: int = 0  # 0: rollout.max_num_seqs
+    chunked_prefill_size: int = 4096
+    cuda_graph: bool = True  # off on CPU
+    memory_saver: bool = True  # sleep() frees GPU memory (torch_memory_saver); off on CPU
+    release_weights: bool = True  # sleep() frees the weights too; the trainer reloads them after every update
+    weight_bucket_mb: float = 256  # weight sync: tensors per update_weights_from_tensor call
+    log_level: str = "error"
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "native"  # native | sglang
     n: int = 8
@@ -76,6 +93,7 @@ class RolloutConfig:
     max_batch_tokens: int = 8192
     release_weights: bool = True  # the native engine drops its weight copy while the actor trains (refilled by the sync)
     kv: KVConfig = field(default_factory=KVConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
 @dataclass

@@ -35,6 +35,10 @@ class Inputs:
 
 
 def validate_inputs(cfg: Config) -> Inputs:
+    if cfg.rollout.engine == "sglang":
+        from sparserl.rollout.sglang import check_config  # imports no sglang: it says when sglang is missing
+
+        check_config(cfg)
     env = load_env(cfg.env.path)
     try:
         if cfg.data.train_path:
@@ -97,6 +101,9 @@ def build_rollout_engine(cfg: Config, model_path: str, tokenizer, device: torch.
         return build_engine("native", model=model, tokenizer=tokenizer, num_slots=num_slots,
                             max_num_seqs=cfg.rollout.max_num_seqs, max_batch_tokens=cfg.rollout.max_batch_tokens,
                             seed=seed, kv=kv_policy(cfg), release_weights=cfg.rollout.release_weights)
+    if cfg.rollout.engine == "sglang":
+        return build_engine("sglang", cfg=cfg, model_path=model_path, tokenizer=tokenizer, device=device,
+                            num_slots=num_slots, seed=seed)
     return build_engine(cfg.rollout.engine, cfg=cfg, model_path=model_path, tokenizer=tokenizer)
 
 

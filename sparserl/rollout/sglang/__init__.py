@@ -1,0 +1,47 @@
+"""The SGLang rollout backend (`rollout.engine=sglang`): an in-process `sglang.Engine` per tensor-parallel group.
+
+- `engine.py`: the adapter behind the engine contract of `rollout/engine.py` (registered as "sglang").
+- `sampler.py`: the sampler SGLang runs in its scheduler process, so that `logp_sparse` is the processed
+  distribution's log-prob and draws are seeded per sequence (loaded by SGLang through an entry point).
+- `draw.py`: the seeded draw itself, pure tensor code.
+
+This package's `__init__` does not import sglang: `check_config` runs in the trainer's input validation,
+before anything is written, also where sglang is absent. Left out on purpose: KV compression inside SGLang
+(compressed rollouts run on the native engine; see docs/sglang.md).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from sparserl.utils.errors import UserError
+
+INSTALL_HINT = 'pip install -e ".[sglang]" on a GPU machine, or bash scripts/install_sglang_cpu.sh for the CPU test venv'
+PLUGIN_GROUP = "sglang.srt.plugins"
+PLUGIN_VALUE = "sparserl.rollout.sglang.sampler:register"
+SAMPLER_ENV_FLAG = "SPARSERL_SGLANG_SAMPLER"  # set for SGLang processes that must run sparserl's sampler
+
+
+def check_config(cfg) -> None:
+    """User errors of `rollout.engine=sglang`, as one line naming the key; imports nothing heavy."""
+    if importlib.util.find_spec("sglang") is None:
+        raise UserError(f"rollout.engine=sglang needs SGLang, which is not installed: {INSTALL_HINT}")
+    if not plugin_installed():
+        raise UserError("rollout.engine=sglang: sparserl's SGLang sampler plugin is not registered; reinstall sparserl "
+                        "(pip install -e .) so its sglang.srt.plugins entry point is recorded")
+    if cfg.rollout.kv.algorithm != "none":
+        raise UserError(f"rollout.kv.algorithm={cfg.rollout.kv.algorithm}: KV compression runs in the native engine only; "
+                        "with rollout.engine=sglang use rollout.kv.algorithm=none (or rollout.engine=native)")
+    s = cfg.rollout.sglang
+    if not 0.0 < s.mem_fraction_static < 1.0:
+        raise UserError(f"rollout.sglang.mem_fraction_static={s.mem_fraction_static} must be in (0, 1)")
+    if s.weight_bucket_mb <= 0:
+        raise UserError(f"rollout.sglang.weight_bucket_mb={s.weight_bucket_mb} must be positive")
+    for key in ("max_total_tokens", "max_running_requests", "chunked_prefill_size"):
+        if getattr(s, key) < 0:
+            raise UserError(f"rollout.sglang.{key}={getattr(s, key)} must be >= 0")
+
+
+def plugin_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.value == PLUGIN_VALUE for ep in entry_points(group=PLUGIN_GROUP))

@@ -1,0 +1,401 @@
+"""The SGLang rollout engine: an in-process `sglang.Engine` behind the contract of `rollout/engine.py`.
+
+One `sglang.Engine` per tensor-parallel group, started by the group's first rank with `tp_size=parallel.tp`;
+the group's other ranks take part in weight sync (they gather like everyone, then drop the tensors) and
+receive the generations from the owner point-to-point. Data-parallel groups each own an engine.
+
+- `generate` expands each request into its `n` samples, each with its own seed (engine seed, request index,
+  sample index, as the native engine), and sends them as separate SGLang requests: SGLang's radix cache
+  shares the prompt's prefill among them. The draws and `logp_sparse` come from sparserl's sampler inside
+  SGLang (`sampler.py`), so the log-probs are the processed distribution's (temperature, top-k, top-p).
+- `update_weights` opens a weight-update session (`begin_weight_update`, required by SGLang 0.5.23) and
+  loads the tensors in buckets of `rollout.sglang.weight_bucket_mb` under their Hugging Face names; SGLang's
+  loaders fuse q/k/v and gate/up. The session is closed, and the prefix cache flushed, before the engine is
+  next used: the weight-sync protocol has no "last bucket" call.
+- `sleep` / `wake` are `release_memory_occupation` / `resume_memory_occupation` (KV cache, CUDA graphs and,
+  with `release_weights`, the weights). Weights released by `sleep` must be reloaded before `wake`.
+
+SGLang's own `asyncio` loop runs on one helper thread: the env loop calls `generate` from inside its own
+running event loop, where SGLang's `run_until_complete` would refuse to run.
+Left out on purpose: KV compression inside SGLang (compressed rollouts run on the native engine), streaming,
+multi-node engines, and peak KV-slot accounting (SGLang does not report it per call; `kv/peak_slots` is 0).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from sparserl.rollout.engine import EngineStats, register_engine
+from sparserl.rollout.sglang import SAMPLER_ENV_FLAG
+from sparserl.rollout.types import Generation, GenerationRequest, KVStats, SamplingParams
+from sparserl.rollout.weight_sync import buckets
+
+MEMORY_TAGS = ("kv_cache", "cuda_graph", "weights")  # sglang.srt.constants.GPU_MEMORY_ALL_TYPES
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass(frozen=True)
+class SGLangOptions:
+    """What an engine is started with, resolved from `rollout.sglang.*` (see `options_from_config`)."""
+
+    device: str = "cpu"  # cpu | cuda
+    dtype: str = "bfloat16"
+    attention_backend: str | None = "torch_native"  # None: SGLang's choice
+    mem_fraction_static: float = 0.5
+    max_total_tokens: int = 0  # 0: sized from mem_fraction_static
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 4096  # 0: no chunking
+    cuda_graph: bool = False
+    memory_saver: bool = False
+    release_weights: bool = True
+    weight_bucket_mb: float = 256
+    log_level: str = "error"
+    tp_size: int = 1
+    base_gpu_id: int = 0
+
+    def server_args(self, model_path: str, seed: int) -> dict[str, Any]:
+        args: dict[str, Any] = dict(
+            model_path=model_path, device=self.device, dtype=self.dtype, tp_size=self.tp_size, random_seed=seed,
+            mem_fraction_static=self.mem_fraction_static, max_running_requests=self.max_running_requests,
+            chunked_prefill_size=self.chunked_prefill_size or -1, disable_cuda_graph=not self.cuda_graph,
+            enable_memory_saver=self.memory_saver, log_level=self.log_level,
+            # Idle, the scheduler would spin a core at 100% while the colocated actor trains.
+            sleep_on_idle=True,
+            # sparserl's sampler stands in for this backend and reads each request's settings from custom_params.
+            sampling_backend="pytorch", enable_custom_logit_processor=True,
+        )
+        if self.max_total_tokens:
+            args["max_total_tokens"] = self.max_total_tokens
+        if self.attention_backend:
+            args["attention_backend"] = self.attention_backend
+        if self.device == "cuda":
+            args["base_gpu_id"] = self.base_gpu_id
+        return args
+
+
+def options_from_config(cfg, device: torch.device | str = "cpu", num_slots: int = 0) -> SGLangOptions:
+    """`rollout.sglang.*` with its `auto` / 0 defaults resolved for this device; `num_slots` is the native
+    engine's pool size for the same run (every sequence of a step, densely), used when no budget is given."""
+    s, r = cfg.rollout.sglang, cfg.rollout
+    dev = torch.device(device).type
+    on_gpu = dev == "cuda"
+    backend = s.attention_backend
+    if backend == "auto":
+        backend = None if on_gpu else "torch_native"
+    return SGLangOptions(
+        device=dev,
+        dtype=r.dtype if s.dtype == "auto" else s.dtype,
+        attention_backend=backend,
+        mem_fraction_static=s.mem_fraction_static,
+        max_total_tokens=s.max_total_tokens or r.kv_pool_tokens or num_slots,
+        max_running_requests=s.max_running_requests or r.max_num_seqs,
+        chunked_prefill_size=s.chunked_prefill_size,
+        cuda_graph=s.cuda_graph and on_gpu,
+        memory_saver=s.memory_saver and on_gpu,  # torch_memory_saver hooks CUDA allocations only
+        release_weights=s.release_weights,
+        weight_bucket_mb=s.weight_bucket_mb,
+        log_level=s.log_level,
+        tp_size=cfg.parallel.tp,
+        base_gpu_id=torch.cuda.current_device() if on_gpu else 0,
+    )
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This rank's place in its tensor-parallel group: the owner (first rank) runs the engine."""
+
+    rank: int
+    owner: int
+    peers: tuple[int, ...]  # the group's other ranks
+
+    @classmethod
+    def of_rank(cls, rank: int, tp: int) -> "TPGroup":
+        # ParallelDims lays the mesh out as (dp, tp), row-major: a TP group is `tp` consecutive ranks.
+        owner = rank - rank % tp
+        return cls(rank, owner, tuple(range(owner + 1, owner + tp)))
+
+    @property
+    def is_owner(self) -> bool:
+        return self.rank == self.owner
+
+
+@dataclass
+class _Sample:
+    """One SGLang request: sample `index` of request `request`."""
+
+    request: int
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+
+
+class SGLangEngine:
+    def __init__(self, model_path: str, options: SGLangOptions | None = None, tokenizer=None, seed: int = 0,
+                 eos_token_ids: Iterable[int] | None = None, group: TPGroup | None = None) -> None:
+        self.options = options or SGLangOptions()
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.group = group or TPGroup(0, 0, ())
+        self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else _default_eos(model_path, tokenizer)
+        self._kv_bytes = _kv_bytes_per_token(model_path, self.options.dtype)
+        self._stats = self._fresh_stats()
+        self._awake = True
+        self._released: set[str] = set()
+        self._updating = False
+        self._engine = None
+        self._thread = None
+        if self.group.is_owner:
+            self._engine = _start_engine(model_path, self.options, seed)
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-engine")
+
+    # ----------------------------------------------------------------- lifecycle
+    def sleep(self) -> None:
+        self._finish_weight_update()
+        if self._engine is not None and self._awake:
+            tags = [t for t in MEMORY_TAGS if t != "weights" or self.options.release_weights]
+            self._call(self._engine.release_memory_occupation, tags)
+            self._released.update(tags)
+        self._awake = False
+
+    def wake(self) -> None:
+        self._finish_weight_update()
+        if "weights" in self._released:
+            raise RuntimeError("the SGLang engine's weights were released by sleep() and not reloaded; push the "
+                               "weights (update_weights) before wake(), or set rollout.sglang.release_weights=false")
+        if self._engine is not None and self._released:
+            self._call(self._engine.resume_memory_occupation, sorted(self._released))
+            self._released.clear()
+        self._awake = True
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self._engine is None:  # a TP peer: the tensors were gathered for the owner's engine
+            for _ in named_tensors:
+                pass
+            return
+        if "weights" in self._released:
+            self._call(self._engine.resume_memory_occupation, ["weights"])
+            self._released.discard("weights")
+        if not self._updating:
+            self._check(self._call(self._engine.begin_weight_update), "begin_weight_update")
+            self._updating = True
+        dtype = _DTYPES.get(self.options.dtype)
+        # Cast before handing over: SGLang would cast on load, and half-size tensors cross the process boundary.
+        named = ((name, t.detach().to(dtype=dtype or t.dtype).contiguous()) for name, t in named_tensors)
+        for bucket in buckets(named, self.options.weight_bucket_mb):
+            self._check(self._call(self._engine.update_weights_from_tensor, bucket, None, False), "update_weights_from_tensor")
+
+    def _finish_weight_update(self) -> None:
+        if not self._updating:
+            return
+        self._check(self._call(self._engine.end_weight_update), "end_weight_update")
+        self._call(self._engine.flush_cache)  # the prefix cache holds KV computed with the old weights
+        self._updating = False
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def reset_stats(self) -> None:
+        self._stats = self._fresh_stats()
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+            self._thread.shutdown()
+
+    # ----------------------------------------------------------------- generate
+    def generate(self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None) -> list[Generation]:
+        if not self._awake:
+            raise RuntimeError("the SGLang engine is asleep; call wake() before generate()")
+        self._finish_weight_update()
+        samples = self._expand(requests)
+        if self._engine is None:
+            return self._receive_from_owner(progress)
+        t0 = time.perf_counter()
+        outputs = self._thread.submit(self._engine.loop.run_until_complete, self._generate_all(samples, progress)).result()
+        gens = [self._to_generation(s, requests[s.request], out) for s, out in zip(samples, outputs)]
+        self._account(gens, time.perf_counter() - t0, len(samples))
+        self._send_to_peers(gens)
+        return gens
+
+    def _expand(self, requests: list[GenerationRequest]) -> list[_Sample]:
+        out = []
+        for i, req in enumerate(requests):
+            p = req.params
+            p.validate()
+            if not req.prompt_token_ids:
+                raise ValueError(f"request {req.request_id!r}: empty prompt; give at least one token")
+            base = self.seed if p.seed is None else p.seed
+            for j in range(p.n):
+                # The native engine's stream key: (seed, request index, sample index).
+                seed = (base * 1_000_003 + i * 10_007 + j) % (2**63 - 1)
+                out.append(_Sample(i, j, list(req.prompt_token_ids), p, seed))
+        return out
+
+    async def _generate_all(self, samples: list[_Sample], progress) -> list[dict]:
+        from sparserl.rollout.sglang.sampler import SamplingTicket
+
+        ticket = SamplingTicket.to_str()
+
+        async def one(s: _Sample) -> dict:
+            out = await self._engine.async_generate(input_ids=s.prompt, sampling_params=self._sglang_params(s),
+                                                    return_logprob=True, custom_logit_processor=ticket)
+            if progress is not None:
+                progress(1)
+            return out
+
+        return await asyncio.gather(*(one(s) for s in samples))
+
+    def _sglang_params(self, s: _Sample) -> dict[str, Any]:
+        from sparserl.rollout.sglang.sampler import PARAM_KEY
+
+        p = s.params
+        stop_ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stop_ids |= self.eos_token_ids  # the native engine's EOS set, whatever SGLang reads from the config
+        return {
+            "max_new_tokens": p.max_new_tokens,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": p.top_k or -1,
+            "stop_token_ids": sorted(stop_ids) or None,
+            "stop": list(p.stop_strings) or None,
+            # SGLang ignores stop_token_ids too under ignore_eos; `_to_generation` cuts at them instead.
+            "ignore_eos": p.ignore_eos,
+            "no_stop_trim": True,  # text and token ids both keep the stop string, as in the native engine
+            "custom_params": {PARAM_KEY: [s.seed, p.temperature, p.top_p, p.top_k]},
+        }
+
+    def _to_generation(self, s: _Sample, req: GenerationRequest, out: dict) -> Generation:
+        meta = out["meta_info"]
+        ids = list(out["output_ids"])
+        logps = [float(x[0]) for x in meta["output_token_logprobs"]]
+        if len(logps) != len(ids):
+            raise RuntimeError(f"SGLang returned {len(ids)} tokens but {len(logps)} log-probs for request {req.request_id!r}")
+        reason = _FINISH.get((meta.get("finish_reason") or {}).get("type"), "abort")
+        if s.params.ignore_eos and s.params.stop_token_ids:
+            cut = next((k + 1 for k, t in enumerate(ids) if t in s.params.stop_token_ids), None)
+            if cut is not None:
+                ids, logps, reason = ids[:cut], logps[:cut], "stop"
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else out.get("text")
+        total = len(s.prompt) + len(ids) - 1  # the last sampled token is never fed back
+        kv = KVStats(peak_slots=total, retained_tokens=total, total_tokens=total)
+        return Generation(req.request_id, s.index, s.prompt, ids, logps, reason, text, kv)
+
+    # ----------------------------------------------------------------- tensor-parallel peers
+    def _send_to_peers(self, gens: list[Generation]) -> None:
+        if self.group.peers:
+            import torch.distributed as dist
+
+            for peer in self.group.peers:
+                dist.send_object_list([gens, self._stats], dst=peer)
+
+    def _receive_from_owner(self, progress) -> list[Generation]:
+        import torch.distributed as dist
+
+        box: list[Any] = [None, None]
+        dist.recv_object_list(box, src=self.group.owner)
+        gens, self._stats = box
+        if progress is not None:
+            progress(len(gens))
+        return gens
+
+    # ----------------------------------------------------------------- helpers
+    def _call(self, fn, *args):
+        # Every call that runs SGLang's event loop goes through the one helper thread.
+        return self._thread.submit(fn, *args).result()
+
+    @staticmethod
+    def _check(result, what: str) -> None:
+        ok, message = (result[0], result[1]) if isinstance(result, tuple) else (getattr(result, "success", True), getattr(result, "message", ""))
+        if not ok:
+            raise RuntimeError(f"SGLang {what} failed: {message}")
+
+    def _account(self, gens: list[Generation], elapsed: float, num_samples: int) -> None:
+        st = self._stats
+        st.generate_s += elapsed
+        st.new_tokens += sum(len(g.token_ids) for g in gens)
+        st.prompt_tokens += sum(len(g.prompt_token_ids) for g in gens)
+        st.peak_running = max(st.peak_running, min(num_samples, self.options.max_running_requests))
+
+    def _fresh_stats(self) -> EngineStats:
+        return EngineStats(pool_slots=self.options.max_total_tokens, kv_bytes_per_slot=self._kv_bytes)
+
+
+def _start_engine(model_path: str, options: SGLangOptions, seed: int):
+    if options.device == "cpu":
+        # SGLang's switch for its CPU code paths; read when sglang is first imported, here and in its subprocesses.
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    # SGLang's processes (spawned, so they inherit the environment) load sparserl's sampler only under this flag.
+    os.environ[SAMPLER_ENV_FLAG] = "1"
+    allowed = os.environ.get("SGLANG_PLUGINS")
+    if allowed and "sparserl_sampler" not in {x.strip() for x in allowed.split(",")}:
+        raise RuntimeError(f"SGLANG_PLUGINS={allowed} leaves out sparserl_sampler, without which logp_sparse would be "
+                           "SGLang's unnormalized log-probs; add it or unset SGLANG_PLUGINS")
+    import sglang
+
+    with _without_launcher_env():
+        return sglang.Engine(**options.server_args(model_path, seed))
+
+
+# Set by torchrun for the training processes. SGLang's spawned processes must not see them: with
+# TORCHELASTIC_USE_AGENT_STORE=True, torch makes SGLang's own process group join torchrun's store, and every
+# scheduler waits there forever.
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                 "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextmanager
+def _without_launcher_env():
+    hidden = {k: os.environ.pop(k) for k in list(os.environ) if k in _LAUNCHER_ENV or k.startswith("TORCHELASTIC_")}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
+
+
+def _default_eos(model_path: str, tokenizer) -> frozenset[int]:
+    """The native engine's EOS set: generation config, model config, tokenizer."""
+    from transformers import AutoConfig, GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        gen_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        gen_eos = None
+    for source in (gen_eos, AutoConfig.from_pretrained(model_path).eos_token_id, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(x) for x in source)
+    return frozenset(ids)
+
+
+def _kv_bytes_per_token(model_path: str, dtype: str) -> int:
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_path)
+    c = c.get_text_config() if hasattr(c, "get_text_config") else c
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=_DTYPES.get(dtype, torch.bfloat16)).element_size()
+
+
+@register_engine("sglang")
+def build_sglang_engine(cfg, model_path: str, tokenizer=None, device: torch.device | str = "cpu", num_slots: int = 0,
+                        seed: int = 0) -> SGLangEngine:
+    """The trainer's builder: options from `rollout.sglang.*`, the TP group from the process's rank."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    group = TPGroup.of_rank(rank, cfg.parallel.tp)
+    return SGLangEngine(model_path, options_from_config(cfg, device, num_slots), tokenizer, seed, group=group)

@@ -1,0 +1,73 @@
+"""Fixtures for the SGLang backend tests: tiny random fp32 Llama / Qwen2 folders and one engine host per family.
+
+The hosts are session-scoped (an SGLang start costs ~30-60 s on the CI machine) and every test that uses them
+skips where sglang is not installed, so the main suite passes without it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import tiny_config
+from tests.sglang.host import HAVE_SGLANG, SKIP_REASON, EngineHost
+
+FAMILIES = ("llama", "qwen2")
+_HOSTS: dict[str, EngineHost] = {}
+
+
+def build_tiny(family: str, tokenizer, seed: int = 0):
+    """A tiny random fp32 decoder over the real SmolLM2 vocabulary (so SGLang can load the tokenizer with it)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family, vocab=len(tokenizer))
+    cfg.update(dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id))
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).to(torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory, tokenizer):
+    out = {}
+    for family in FAMILIES:
+        path = tmp_path_factory.mktemp(f"tiny-{family}")
+        build_tiny(family, tokenizer).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        out[family] = path
+    return out
+
+
+def host_options(**changes):
+    from sparserl.rollout.sglang.engine import SGLangOptions
+
+    base = dict(device="cpu", dtype="float32", attention_backend="torch_native", max_total_tokens=8192,
+                max_running_requests=64, chunked_prefill_size=4096, log_level="error")
+    base.update(changes)
+    return SGLangOptions(**base)
+
+
+@pytest.fixture(scope="session")
+def hosts(tiny_dirs):
+    """`hosts(family)`: the session's engine host for that tiny model, started on first use."""
+    if not HAVE_SGLANG:
+        pytest.skip(SKIP_REASON)
+
+    def get(family: str) -> EngineHost:
+        if family not in _HOSTS:
+            _HOSTS[family] = EngineHost(tiny_dirs[family], host_options(), seed=0)
+        return _HOSTS[family]
+
+    yield get
+    close_hosts()
+
+
+def close_hosts() -> None:
+    """Stop every session host (the trainer test frees their memory and cores first)."""
+    while _HOSTS:
+        _HOSTS.popitem()[1].close()
+
+
+@pytest.fixture(scope="session")
+def reference_models(tokenizer):
+    """The same tiny models in transformers, in fp32, for the dense references."""
+    return {family: build_tiny(family, tokenizer) for family in FAMILIES}
