@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import gsm8k_prompts, machine, print_table  # noqa: E402
 from sparserl.actor.hf import load_model, load_tokenizer  # noqa: E402
+from sparserl.utils import precision  # noqa: E402
 from sparserl.actor.logprobs import PackedSeqs, packed_logprobs  # noqa: E402
 from sparserl.kv import KVPolicyConfig  # noqa: E402
 from sparserl.rollout.native.attention import use_packed_attention  # noqa: E402
@@ -70,7 +71,7 @@ def mismatch_kl(model, gens, batch_tokens=4096):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: bf16 where the hardware runs it fast, else fp32")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--budgets", type=int, nargs="+", default=[128, 256])
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--overhead-requests", type=int, default=32)
     ap.add_argument("--overhead-tokens", type=int, default=128)
     args = ap.parse_args()
+    args.dtype = precision.resolve_arg(args.dtype)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, args.dtype)
     use_packed_attention(model)

@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import gsm8k_prompts, machine, print_table  # noqa: E402
 from sparserl.actor.hf import load_model, load_tokenizer, resolve_model_path  # noqa: E402
+from sparserl.utils import precision  # noqa: E402
 from sparserl.rollout.native.engine import NativeEngine  # noqa: E402
 from sparserl.rollout.types import GenerationRequest, SamplingParams  # noqa: E402
 
@@ -61,13 +62,14 @@ def start_sglang(model: str, dtype: str, max_batch: int, tokenizer):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: bf16 where the hardware runs it fast, else fp32")
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--modes", nargs="+", default=["fixed"], choices=["fixed", "eos"])
     ap.add_argument("--engine", nargs="+", default=["native"], choices=["native", "sglang"])
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
+    args.dtype = precision.resolve_arg(args.dtype)
     torch.manual_seed(0)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, args.dtype)

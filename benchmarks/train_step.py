@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import SHARED_DATA, gsm8k_prompts, machine, print_table  # noqa: E402
+from sparserl.utils import precision  # noqa: E402
 
 KEYS = ["perf/step_s", "perf/rollout_s", "perf/old_logprobs_s", "perf/ref_logprobs_s", "perf/update_s", "perf/weight_sync_s",
         "perf/rollout_tok_s", "perf/train_tok_s", "perf/dp_load_imbalance_before", "perf/dp_load_imbalance",
@@ -168,11 +169,12 @@ def packing_throughput(args) -> None:
     from sparserl.rollout.native.attention import use_packed_attention
 
     tokenizer = load_tokenizer(args.model)
-    packed_model = load_model(args.model, "bfloat16")
+    dtype = precision.resolve_arg("auto")
+    packed_model = load_model(args.model, dtype)
     use_packed_attention(packed_model)
     with torch.inference_mode():
         seqs = sample_rollout(packed_model, tokenizer, args)
-    padded_model = load_model(args.model, "bfloat16")  # stock attention (SDPA with a padding mask)
+    padded_model = load_model(args.model, dtype)  # stock attention (SDPA with a padding mask)
     lengths = sorted(len(s) for s, _ in seqs)
     real = sum(lengths)
     per_mb = max(1, args.max_tokens // lengths[-1])
