@@ -20,10 +20,11 @@ written; dense rollouts always see them. The script runs, printing every command
    and pool peak (`kv/retained_frac`, `kv/peak_gb`), mismatch KL (`mismatch/kl`), rejected sequences
    (`correction/rejected_seq_frac`) and seconds per step, all means over steps except the reward columns.
    Rewards are those of each run's own training rollouts: compressed ones for the two sparse runs.
-5. a held-out evaluation (`--eval-prompts` prompts from a seed the training data never uses, `--eval-n`
-   samples each at temperature 1) of the warm-start and of every final policy, once dense and once with the
-   runs' R-KV compression: the dense column is the paper's measure (its evaluations use a dense server), the
-   compressed one shows robustness to sparse inference.
+5. a held-out evaluation with `python -m sparserl.eval` (`--eval-prompts` prompts from a seed the training
+   data never uses, written to OUT/data/held_out.jsonl, `--eval-n` samples each at temperature 1; results
+   under OUT/eval/) of the warm-start and of every final policy, once dense and once with the runs' R-KV
+   compression: the dense column is the paper's measure (its evaluations use a dense server), the compressed
+   one shows robustness to sparse inference. The reward column is the evaluation's avg@n.
 
 `kv/peak_gb` is the high-water mark of the step's KV pool: every sequence holds its whole prompt until its
 first decode step compresses it, so with short responses the peak is close to dense; `kv/retained_frac`
@@ -159,46 +160,40 @@ def write_data(args, folder: Path) -> tuple[Path, Path]:
     return prompts, sft
 
 
-def evaluate(model_dir: Path, rows: list[dict], args, env) -> tuple[float, float]:
-    """Mean reward of `model_dir` on held-out rows, dense and with the runs' R-KV compression (same budget,
-    divide_length, compress_prompt): temperature 1 (as in training), native engine in bf16."""
-    import torch
-
-    from sparserl.actor.hf import load_model, load_tokenizer
-    from sparserl.kv import KVPolicyConfig
-    from sparserl.rollout.native.attention import use_packed_attention
-    from sparserl.rollout.native.engine import NativeEngine
-    from sparserl.rollout.types import GenerationRequest, SamplingParams
-
-    tokenizer = load_tokenizer(str(model_dir))
-    model = load_model(str(model_dir), "bfloat16")
-    use_packed_attention(model)
-    prompts = [tokenizer(tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True),
-                         add_special_tokens=False)["input_ids"] for r in rows]
-    rkv = KVPolicyConfig(algorithm="rkv", budget=args.budget, divide_length=args.divide_length, compress_prompt=True)
-    slots = len(prompts) * args.eval_n * (max(map(len, prompts)) + args.max_new_tokens)
-    params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.eval_n, seed=args.seed + 1)
-    means = []
-    for kv in (None, rkv):
-        engine = NativeEngine(model, tokenizer, num_slots=slots, max_num_seqs=256, kv=kv, seed=args.seed + 1)
-        with torch.inference_mode():
-            gens = engine.generate([GenerationRequest(p, params, i) for i, p in enumerate(prompts)])
-        scores = [env.score(tokenizer.decode(g.token_ids, skip_special_tokens=True), rows[g.request_id]["answer"]) for g in gens]
-        means.append(sum(scores) / len(scores))
-    return means[0], means[1]
+def eval_command(args, model_dir: Path, data: Path, out: Path, compressed: bool) -> list[str]:
+    """`python -m sparserl.eval` on the held-out rows: temperature 1 (as in training), `--eval-n` samples each,
+    dense or with the runs' R-KV compression (same budget, divide_length, compress_prompt)."""
+    held_out = f"{{name:recall,path:'{data}',prompt_key:prompt,answer_key:answer,env:{ENV_PATH}}}"
+    cmd = python_module("sparserl.eval") + [
+        f"model.path={model_dir}", f"eval.datasets=[{held_out}]", f"eval.n={args.eval_n}", "eval.k=[1]",
+        "eval.temperature=1.0", f"eval.max_new_tokens={args.max_new_tokens}", f"eval.seed={args.seed + 1}",
+        f"eval.output_dir={out}", "logger.progress=false",
+    ]
+    if compressed:
+        cmd += ["rollout.kv.algorithm=rkv", f"rollout.kv.budget={args.budget}",
+                f"rollout.kv.divide_length={args.divide_length}", "rollout.kv.compress_prompt=true"]
+    return cmd
 
 
-def evaluation_table(args, models: dict[str, Path]) -> tuple[list[str], list[list]]:
-    """Dense and compressed held-out reward of the warm-start and of every run's final policy."""
+def evaluation_table(args, models: dict[str, Path], out: Path) -> tuple[list[str], list[list]]:
+    """Dense and compressed held-out reward (avg@n of `sparserl.eval`) of the warm-start and of every run's final policy."""
     from sparserl.utils.envload import load_env
 
     env = load_env(str(ROOT / ENV_PATH)).module
     rows = env.make_prompts(args.eval_prompts, args.seed + 10_000, num_facts=args.facts, filler_sentences=args.filler)
+    data = out / "data" / "held_out.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     table, start = [], None
     for name, path in models.items():
         if not (path / "config.json").exists():
             continue
-        dense, sparse = evaluate(path, rows, args, env)
+        means = []
+        for mode in ("dense", "rkv"):
+            folder = out / "eval" / f"{name}_{mode}"
+            run(eval_command(args, path, data, folder, mode == "rkv"), out / "eval" / f"{name}_{mode}.log")
+            means.append(json.loads((folder / "eval.json").read_text())["datasets"]["recall"][f"avg@{args.eval_n}"])
+        dense, sparse = means
         start = dense if start is None else start
         table.append([name, f"{dense:.3f}", f"{dense - start:+.3f}", f"{sparse:.3f}"])
         print(table[-1], flush=True)
@@ -298,7 +293,7 @@ def main(argv=None) -> None:
     if args.eval_prompts:
         t0 = time.perf_counter()
         print(f"\nheld-out evaluation: {args.eval_prompts} prompts x {args.eval_n} samples, temperature 1", flush=True)
-        headers, rows = evaluation_table(args, {"warm-start": sft_dir / "hf", **{p: runs[p] / "hf" for p in PRESETS}})
+        headers, rows = evaluation_table(args, {"warm-start": sft_dir / "hf", **{p: runs[p] / "hf" for p in PRESETS}}, out)
         print()
         text += "\n\n" + print_table(headers, rows, title=f"held-out evaluation ({args.eval_prompts} prompts x {args.eval_n})")
         seconds["eval"] = time.perf_counter() - t0

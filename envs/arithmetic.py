@@ -36,6 +36,12 @@ def make_prompts(num: int, seed: int) -> list[dict]:
     return rows
 
 
+def extract_answer(response: str) -> str | None:
+    """The answer the response gives: its last integer (what `score` checks)."""
+    value = extract_last_integer(response)
+    return None if value is None else str(value)
+
+
 def score(response: str, answer: str) -> float:
     return 1.0 if extract_last_integer(response) == int(answer) else 0.0
 

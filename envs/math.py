@@ -7,10 +7,15 @@ MATH-500). Left out on purpose: format rewards and length penalties.
 """
 from __future__ import annotations
 
-from sparserl.rewards.math import averify_answer
+from sparserl.rewards.math import averify_answer, extract_boxed
 
 max_turns = 1
 TIMEOUT_S = 5.0
+
+
+def extract_answer(response: str) -> str | None:
+    """The answer the response gives: its last `\\boxed{}` (what `step` checks)."""
+    return extract_boxed(response)
 
 
 async def step(state: str, action: str, extra_info: dict) -> dict:

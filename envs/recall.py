@@ -128,9 +128,15 @@ def make_sft_examples(num: int, seed: int, num_facts: int = NUM_FACTS, filler_se
     return rows
 
 
-def score(response: str, answer: str) -> float:
+def extract_answer(response: str) -> str | None:
+    """The code the response gives: its first integer (what `score` checks)."""
     first = _INT.search(response)
-    return 1.0 if first is not None and int(first.group(0)) == int(answer) else 0.0
+    return None if first is None else str(int(first.group(0)))
+
+
+def score(response: str, answer: str) -> float:
+    given = extract_answer(response)
+    return 1.0 if given is not None and int(given) == int(answer) else 0.0
 
 
 async def step(state: str, action: str, extra_info: dict) -> dict:

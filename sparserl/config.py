@@ -2,8 +2,9 @@
 
 `load_config(overrides)` composes `configs/<name>.yaml` over the schema below with command-line overrides
 (`key=value`, `+preset=sparse_rl`), checks every overridden key against the schema first (a misspelled key
-fails naming the closest valid names), and returns the typed `Config`. Nothing past this module sees a
-DictConfig. Left out on purpose: Hydra's run-directory and logging takeover (`trainer.output_dir` is ours).
+fails naming the closest valid names), range-checks every value (`config_checks.py`), and returns the typed
+`Config`. Nothing past this module sees a DictConfig. Field comments double as the `--help` text (cli.py).
+Left out on purpose: Hydra's run-directory and logging takeover (`trainer.output_dir` is ours).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparserl.config_checks import check_config
 from sparserl.utils.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -22,43 +24,43 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 class ModelConfig:
     path: str = "smollm2-135m-instruct"  # HF folder, hub id, or the offline alias
     dtype: str = "float32"  # master weights and optimizer state
-    compute_dtype: str = "bfloat16"  # forward/backward (FSDP2 mixed precision); reductions stay fp32
+    compute_dtype: str = "auto"  # forward/backward (FSDP2 mixed precision); auto: bf16 where the hardware runs it fast, else fp32
     activation_checkpointing: bool = True  # recompute each layer in backward: ~4x less update memory, ~same speed on CPU (benchmarks/update_knobs.py)
 
 
 @dataclass
 class DataConfig:
     train_path: str = ""  # empty: prompts come from the env module's make_prompts()
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    messages_key: str = "messages"
+    prompt_key: str = "prompt"  # the field holding the prompt: a string or a list of {role, content} messages
+    answer_key: str = "answer"  # the field holding the reference answer (null where a row has none)
+    messages_key: str = "messages"  # where to look when the prompt field is absent or empty
     answer_extract: str = "none"  # none | gsm8k_hash | boxed
     apply_chat_template: str = "auto"  # auto | always | never
-    system_prompt: str | None = None
+    system_prompt: str | None = None  # added to chat prompts that have no system message
     num_generated: int = 4096  # prompts to ask make_prompts() for
     max_prompt_tokens: int = 1024  # longer prompts are skipped (counted at start-up)
-    shuffle: bool = True
+    shuffle: bool = True  # reshuffle the prompts every epoch (seeded by trainer.seed)
 
 
 @dataclass
 class EnvConfig:
-    path: str = "envs/arithmetic.py"
-    max_turns: int = 1
+    path: str = "envs/arithmetic.py"  # Python file with async step(state, action, extra_info) (relative: also to the project)
+    max_turns: int = 1  # turns per episode, unless the env module sets its own max_turns
 
 
 @dataclass
 class KVConfig:
     algorithm: str = "none"  # none | rkv | snapkv | streaming
-    budget: int = 512
+    budget: int = 512  # cache entries a sequence keeps after a compression, window included
     divide_method: str = "step_length"  # step_length | newline
-    divide_length: int = 128
-    window: int = 8
-    mix_lambda: float = 0.1
-    kernel: int = 7
-    sim_threshold: float = 0.5
-    sinks: int = 4
+    divide_length: int = 128  # step_length: compress every this many decode steps once over budget
+    window: int = 8  # the latest tokens: always kept; their queries score the rest
+    mix_lambda: float = 0.1  # rkv: score = lambda * importance - (1 - lambda) * redundancy
+    kernel: int = 7  # max-pool kernel over the token axis
+    sim_threshold: float = 0.5  # rkv: cosine similarity above which two keys count as near-duplicates
+    sinks: int = 4  # streaming: attention-sink tokens kept at the start
     share: str = "head"  # head | layer | all
-    compress_prompt: bool = False
+    compress_prompt: bool = False  # may the prompt be compressed below its own length
 
 
 @dataclass
@@ -81,16 +83,16 @@ class SGLangConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "native"  # native | sglang
-    n: int = 8
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_strings: list[str] = field(default_factory=list)
-    dtype: str = "bfloat16"  # the engine's weights and KV cache
+    n: int = 8  # samples per prompt (one GRPO group)
+    max_new_tokens: int = 256  # response length cap per turn
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling; 1 = off
+    top_k: int = 0  # 0 = off
+    stop_strings: list[str] = field(default_factory=list)  # end a response at any of these (EOS always ends it)
+    dtype: str = "auto"  # the engine's weights and KV cache; auto: as model.compute_dtype's auto
     kv_pool_tokens: int = 0  # slots per layer; 0 = enough for every sequence of a step, densely
-    max_num_seqs: int = 256
-    max_batch_tokens: int = 8192
+    max_num_seqs: int = 256  # sequences decoding at once per engine
+    max_batch_tokens: int = 8192  # tokens per engine forward: new prompts are prefilled while they fit
     release_weights: bool = True  # the native engine drops its weight copy while the actor trains (refilled by the sync)
     kv: KVConfig = field(default_factory=KVConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
@@ -98,86 +100,105 @@ class RolloutConfig:
 
 @dataclass
 class ActorConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr: float = 1e-6  # AdamW learning rate after warmup
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW (beta1, beta2)
     lr_schedule: str = "constant"  # constant | cosine
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    max_grad_norm: float = 1.0
+    warmup_steps: int = 0  # optimizer steps of linear warmup
+    min_lr_ratio: float = 0.0  # cosine: the final learning rate as a fraction of actor.lr
+    max_grad_norm: float = 1.0  # gradients clipped to this global norm
     max_tokens_per_device: int = 8192  # tokens per packed micro-batch
     logprob_chunk_mb: float = 64  # LM head + log-softmax in row chunks of this many MB of fp32 logits; 0 = all at once
     updates_per_rollout: int = 1  # optimizer steps per rollout (minibatches)
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1  # passes over each rollout
     balance_ranks: bool = True  # move sequences between DP ranks before the update so token loads are equal
     fuse_old_logprobs: bool = True  # one update per rollout: logp_old from the update's own forward (no extra pass)
 
 
 @dataclass
 class KLConfig:
-    coef: float = 0.0
+    coef: float = 0.0  # weight of the KL to the initial policy; 0 = off (no reference model)
     estimator: str = "k3"  # k1 | k2 | k3
     mode: str = "loss"  # loss | reward
 
 
 @dataclass
 class CorrectionSettings:
-    enable: bool = False
+    enable: bool = False  # correct the sparse/dense mismatch in the loss (docs/correction.md)
     mode: str = "apply"  # apply | measure
-    is_cap: float | None = 1.5
-    is_batch_normalize: bool = True
+    is_cap: float | None = 1.5  # importance weight min(xi, is_cap); null or 0 = no reweighting
+    is_batch_normalize: bool = True  # divide the weights by their batch mean
     normalize_over: str = "kept"  # kept | all (the reference recipe: mean over every response token, before rejection)
-    apply_to_kl: bool = False
-    veto: float | None = 1e-4
-    token_low: float | None = 0.5
-    token_high: float | None = 1.5
-    geo_low: float | None = None
-    geo_high: float | None = None
-    rejected_in_baseline: bool = True
+    apply_to_kl: bool = False  # weight the KL term too
+    veto: float | None = 1e-4  # reject a sequence with any token's xi below this
+    token_low: float | None = 0.5  # mask tokens with xi below this
+    token_high: float | None = 1.5  # mask tokens with xi above this
+    geo_low: float | None = None  # reject a sequence whose geometric-mean xi is below this
+    geo_high: float | None = None  # reject a sequence whose geometric-mean xi is above this
+    rejected_in_baseline: bool = True  # rejected sequences still count in their group's reward baseline
 
 
 @dataclass
 class AlgoConfig:
     adv_estimator: str = "grpo"  # grpo | drgrpo
     loss_agg: str = "token"  # token | sequence
-    policy_loss: str = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    entropy_coef: float = 0.0
+    policy_loss: str = "ppo"  # ppo | cispo
+    clip_low: float = 0.2  # PPO ratio clipped below at 1 - clip_low
+    clip_high: float = 0.2  # PPO ratio clipped above at 1 + clip_high (> clip_low: clip-higher)
+    dual_clip: float | None = None  # PPO dual clip constant for negative advantages; null = off
+    entropy_coef: float = 0.0  # entropy bonus weight
     kl: KLConfig = field(default_factory=KLConfig)
     correction: CorrectionSettings = field(default_factory=CorrectionSettings)
 
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
+    tp: int = 1  # tensor-parallel size; data-parallel size = world size / tp
     backend: str = "auto"  # auto | gloo | nccl
     device: str = "auto"  # auto | cpu | cuda
 
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 20
+    total_steps: int = 20  # training steps (one rollout each)
     prompts_per_step: int = 16  # global, across data-parallel ranks
-    output_dir: str = "outputs/grpo"
+    output_dir: str = "outputs/grpo"  # config.yaml, metrics.jsonl, checkpoints/, hf/
     save_every: int = 0  # 0 = only at the end
     resume: str = "none"  # none | auto | <checkpoint folder>
-    seed: int = 0
-    export_hf: bool = True
+    seed: int = 0  # seeds sampling and prompt shuffling
+    export_hf: bool = True  # write the final policy to output_dir/hf
     stop_after: int = 0  # stop (as if interrupted) after this many steps; 0 = off
+    eval_every: int = 0  # evaluate eval.* on the rollout engine every this many steps, at step 0 and at the end; 0 = off
+
+
+@dataclass
+class EvalConfig:
+    """`python -m sparserl.eval` and evaluation during training (trainer.eval_every); see sparserl/eval/."""
+
+    # Shared eval sets by name (gsm8k, math500, aime24, amc23, minerva, olympiadbench, gaokao2023en, mawps) or
+    # {name, path, prompt_key, answer_key, answer_extract, env, suffix} entries (a known name fills the rest).
+    datasets: list[Any] = field(default_factory=list)
+    data_dir: str = ""  # where the named sets live; empty: ../shared/data/eval next to the project
+    n: int = 1  # samples per prompt
+    k: list[int] = field(default_factory=lambda: [1])  # pass@k for each k (1 <= k <= n)
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 512
+    limit: int = 0  # the first `limit` prompts of each set; 0 = all
+    seed: int = 0  # a sample's seed depends on (seed, dataset, prompt index, sample index) only
+    output_dir: str = "outputs/eval"  # eval.json, samples.jsonl (training writes under trainer.output_dir/eval/)
 
 
 @dataclass
 class WandbConfig:
     mode: str = "disabled"  # disabled | offline | online
-    project: str = "sparserl"
-    name: str | None = None
+    project: str = "sparserl"  # wandb project
+    name: str | None = None  # wandb run name; null = wandb's choice
 
 
 @dataclass
 class LoggerConfig:
-    progress: bool = True
+    progress: bool = True  # progress bars on rank 0 where stderr is a terminal (SPARSERL_PROGRESS=0/1 overrides)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -191,6 +212,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
@@ -259,6 +281,7 @@ def load_config(overrides: list[str] | None = None, config_name: str = "grpo", c
     except (HydraException, OmegaConfBaseException) as e:
         raise UserError(" ".join(str(e).split())) from None
     assert isinstance(obj, Config)
+    check_config(obj)
     return obj
 
 

@@ -41,6 +41,9 @@ def resolve_model_path(path: str) -> str:
         return str(ensure_smollm2())
     p = Path(path).expanduser()
     if p.exists():
+        if p.is_file():
+            raise FileNotFoundError(f"model.path={path}: a file, not a checkpoint folder (give the folder that holds "
+                                    "config.json and the weights)")
         if not (p / "config.json").exists():
             raise FileNotFoundError(f"model.path={path}: the folder has no config.json, so it is not a Hugging Face checkpoint")
         return str(p)

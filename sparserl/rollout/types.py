@@ -65,11 +65,17 @@ class SamplingParams:
 
 @dataclass
 class GenerationRequest:
-    """One prompt to complete `params.n` times. `request_id` is echoed back in every `Generation`."""
+    """One prompt to complete `params.n` times. `request_id` is echoed back in every `Generation`.
+
+    A sample's random stream is keyed by (`params.seed` or the engine's seed, `seed_index`, sample index);
+    `seed_index=None` stands for the request's position in the list given to `generate`. Setting it (eval:
+    the prompt's row in its dataset) makes the draws independent of how prompts are split into batches.
+    """
 
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str | int = 0
+    seed_index: int | None = None
 
 
 @dataclass

@@ -130,14 +130,17 @@ def _apply_step(live: _Live, gen: Generation, action: str, result, last_turn: bo
     return True
 
 
-def _continue_request(live: _Live, i: int, params: SamplingParams, turn: int, max_total_tokens: int | None) -> GenerationRequest:
+def _continue_request(live: _Live, i: int, params: SamplingParams, turn: int, max_total_tokens: int | None,
+                      seed_index: int | None = None) -> GenerationRequest:
     s = live.sample
     budget = params.max_new_tokens
     if max_total_tokens is not None:
         budget = min(budget, max_total_tokens - len(s.prompt_ids) - len(s.response_ids))
-    # Distinct seeds per trajectory and turn, still reproducible from the run's seed.
-    seed = None if params.seed is None else params.seed + 1_000_003 * turn + i
-    return GenerationRequest(s.prompt_ids + s.response_ids, params.replace(n=1, max_new_tokens=budget, seed=seed), request_id=i)
+    # Distinct seeds per trajectory and turn, still reproducible from the run's seed; with a seed index the
+    # trajectory's own key replaces its position among this turn's survivors.
+    seed = None if params.seed is None else params.seed + 1_000_003 * turn + (i if seed_index is None else 0)
+    return GenerationRequest(s.prompt_ids + s.response_ids, params.replace(n=1, max_new_tokens=budget, seed=seed), request_id=i,
+                             seed_index=seed_index)
 
 
 def _fail(live: _Live, status: str) -> None:
@@ -153,9 +156,12 @@ async def rollout_async(
     params: SamplingParams,
     max_turns: int | None = None,
     max_total_tokens: int | None = None,
+    seed_indices: list[int] | None = None,
 ) -> tuple[list[Sample], dict[str, float]]:
     if len(rows) != len(prompt_texts):
         raise ValueError(f"{len(rows)} rows but {len(prompt_texts)} prompt texts")
+    if seed_indices is not None and len(seed_indices) != len(rows):
+        raise ValueError(f"{len(rows)} rows but {len(seed_indices)} seed indices")
     max_turns = max_turns or getattr(env, "max_turns", None) or 1
     reset = getattr(env, "reset", None)
     if reset is not None:  # once per prompt: all n samples of a group start from the same state
@@ -174,7 +180,8 @@ async def rollout_async(
                 lv.sample.finish_reason = "length"
                 _fail(lv, "truncated")
             continue
-        requests.append(GenerationRequest(ids, params.replace(max_new_tokens=budget), request_id=g))
+        requests.append(GenerationRequest(ids, params.replace(max_new_tokens=budget), request_id=g,
+                                          seed_index=None if seed_indices is None else seed_indices[g]))
 
     # Turn 1 keys generations by (prompt, sample); later turns by (trajectory, 0).
     by_key = _generate(engine, requests, [r.params.n for r in requests]) if requests else {}
@@ -203,7 +210,9 @@ async def rollout_async(
             log.warning("env.step failed on %d sample(s) at turn %d: %s", count, turn, message[:300])
 
         turn += 1
-        requests = [_continue_request(lv, i, params, turn, max_total_tokens) for i, lv in enumerate(going_on)]
+        requests = [_continue_request(lv, i, params, turn, max_total_tokens,
+                                      None if seed_indices is None else seed_indices[lv.sample.group] * params.n + lv.sample_index)
+                    for i, lv in enumerate(going_on)]
         by_key = _generate(engine, requests, [1] * len(requests)) if requests else {}
         active = [(lv, by_key[(i, 0)]) for i, lv in enumerate(going_on)]
 
@@ -232,11 +241,14 @@ def rollout(
     params: SamplingParams,
     max_turns: int | None = None,
     max_total_tokens: int | None = None,
+    seed_indices: list[int] | None = None,
 ) -> tuple[list[Sample], dict[str, float]]:
     """Roll out this rank's prompts (`params.n` samples each) through `env`; see the module docstring.
-    `max_turns=None` takes the env's `max_turns` (or 1). Runs its own event loop; inside a running loop
-    await `rollout_async` instead."""
-    return asyncio.run(rollout_async(engine, tokenizer, env, rows, prompt_texts, params, max_turns, max_total_tokens))
+    `max_turns=None` takes the env's `max_turns` (or 1). `seed_indices` (one per row) key each prompt's
+    sampling streams instead of its position here, so a prompt draws the same samples however the prompts
+    are split across ranks. Runs its own event loop; inside a running loop await `rollout_async` instead."""
+    return asyncio.run(rollout_async(engine, tokenizer, env, rows, prompt_texts, params, max_turns, max_total_tokens,
+                                     seed_indices))
 
 
 def rollout_metrics(samples: list[Sample]) -> dict[str, float]:

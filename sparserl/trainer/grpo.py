@@ -4,6 +4,10 @@ Each step, top to bottom (DESIGN.md section 2): wake the engine, roll out this r
 env, put the engine to sleep, recompute dense log-probs, correct for the sampler mismatch, compute group
 advantages, update the actor, push the weights to the engine, log, checkpoint. This file orchestrates;
 the work happens in the functions it calls.
+
+The command line (`--help`, `--cfg job`, overrides) and every input are checked before the training stack
+is imported: torch alone takes seconds to import, and a bad key, value, file or folder answers in about one
+(sparserl/cli.py, sparserl/config_checks.py, sparserl/trainer/preflight.py).
 """
 from __future__ import annotations
 
@@ -11,23 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from sparserl.actor import checkpoint
-from sparserl.actor.hf import export_hf
-from sparserl.config import Config, load_config
-from sparserl.rollout.weight_sync import sync_weights
-from sparserl.rollout.worker import rollout
-from sparserl.trainer import setup as S
-from sparserl.trainer.batch import (FusedOldLogprobLoss, apply_correction, balance_ranks, fused_old_logprobs, loss_config,
-                                    make_loss_fn, set_advantages, to_train_batch)
-from sparserl.trainer.metrics import gather_step_metrics
+from sparserl.cli import parse_cli
+from sparserl.config import Config
 from sparserl.utils.errors import run_main
-from sparserl.utils.logging import log0, progress
-from sparserl.utils.memory import PhasePeaks, peak_rss_gb, release_free_memory, rss_bytes
-from sparserl.utils.seed import rng_state, set_rng_state, set_seed
-from sparserl.utils.timers import Timers
 
 
 class _Progress:
@@ -41,7 +31,23 @@ class _Progress:
 
 
 def train(cfg: Config) -> None:
-    inputs = S.validate_inputs(cfg)  # user errors surface here, before anything is written
+    from sparserl.trainer.preflight import validate_inputs
+
+    inputs = validate_inputs(cfg)  # user errors surface here, before anything is written or torch is imported
+    # The training stack, imported only once the inputs are known to be good (see the module docstring).
+    from sparserl.actor import checkpoint
+    from sparserl.eval.hook import TrainEval
+    from sparserl.rollout.weight_sync import sync_weights
+    from sparserl.rollout.worker import rollout
+    from sparserl.trainer import setup as S
+    from sparserl.trainer.batch import (FusedOldLogprobLoss, apply_correction, balance_ranks, fused_old_logprobs,
+                                        loss_config, make_loss_fn, set_advantages, to_train_batch)
+    from sparserl.trainer.metrics import gather_step_metrics
+    from sparserl.utils.logging import log0, progress
+    from sparserl.utils.memory import PhasePeaks, release_free_memory
+    from sparserl.utils.seed import rng_state, set_rng_state, set_seed
+    from sparserl.utils.timers import Timers
+
     info, dims, mesh = S.start_processes(cfg)
     set_seed(cfg.trainer.seed, info.rank)
     tokenizer = S.load_tokenizer(inputs.model_path)
@@ -62,8 +68,11 @@ def train(cfg: Config) -> None:
         start = extra["step"]
         log0(f"resumed from {resume_from} at step {start}")
     logger = S.open_output(cfg, info.rank, tokenizer)
-    logger.truncate_after(start)
+    logger.truncate_after(start if start else -1)  # a fresh run also drops an old run's step-0 eval row
     sync_weights(actor.full_state(), engine)
+    evals = TrainEval(cfg, inputs.eval_sets, engine, tokenizer, mesh, info.rank)  # trainer.eval_every; off when 0
+    if evals.enabled and start == 0:
+        logger.log(0, evals.run(0))
     loss_cfg = loss_config(cfg.algo)
     fused, why_not = fused_old_logprobs(cfg)
     log0("old log-probs: from the update's own forward (one update per rollout)" if fused else
@@ -121,8 +130,9 @@ def train(cfg: Config) -> None:
                                       time.perf_counter() - t_step, actor.dp_group, info.device)
         metrics.update(correction_metrics | adv_metrics | balance_metrics | actor_metrics)
         metrics.update(memory_metrics(info.device, actor.dp_group))
-        logger.log(step, metrics)
         last = step == cfg.trainer.total_steps or step == cfg.trainer.stop_after
+        metrics.update(evals.maybe(step, last))
+        logger.log(step, metrics)
         if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or last:
             extra = {"step": step, "scheduler": actor.scheduler.state_dict(), "sampler": sampler.state_dict(), "rng": rng_state()}
             checkpoint.save(cfg.trainer.output_dir, step, actor.model, actor.optimizer, extra, info.rank)
@@ -136,6 +146,11 @@ def train(cfg: Config) -> None:
 
 
 def export_final(cfg: Config, actor, tokenizer, rank: int) -> None:
+    import torch
+
+    from sparserl.actor.hf import export_hf
+    from sparserl.utils.logging import log0
+
     state = {k: v.detach().cpu() for k, v in actor.full_state()}  # every rank joins the gathers
     if rank == 0:
         from transformers import AutoModelForCausalLM
@@ -148,6 +163,10 @@ def export_final(cfg: Config, actor, tokenizer, rank: int) -> None:
 
 
 def peak_memory_gb(device: torch.device) -> float:
+    import torch
+
+    from sparserl.utils.memory import peak_rss_gb
+
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return peak_rss_gb()
@@ -155,6 +174,11 @@ def peak_memory_gb(device: torch.device) -> float:
 
 def memory_metrics(device: torch.device, group) -> dict[str, float]:
     """This rank's peak and current memory (`mem/peak_gb`, `mem/rss_gb`) and the largest peak of any DP rank."""
+    import torch
+    import torch.distributed as dist
+
+    from sparserl.utils.memory import rss_bytes
+
     peak = peak_memory_gb(device)
     top = torch.tensor([peak], dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -163,8 +187,12 @@ def memory_metrics(device: torch.device, group) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    overrides = list(sys.argv[1:] if argv is None else argv)
-    run_main(lambda: train(load_config(overrides)))
+    def run() -> None:
+        cfg = parse_cli(sys.argv[1:] if argv is None else argv, "grpo")
+        if cfg is not None:  # None: --help or --cfg job was answered
+            train(cfg)
+
+    run_main(run)
 
 
 if __name__ == "__main__":

@@ -1,64 +1,49 @@
 """Build everything a run needs from the config, validating user input before anything is written.
 
-Order matters: config, env file, data rows and model path are checked first (clear one-line errors, no
-output folder yet); then processes, the actor, the engine and the logger come up.
-Left out on purpose: evaluation datasets during training (run `sparserl.eval` style scripts on `hf/`).
+Order matters: config, output folder, env file, data rows, eval sets and model path are checked first
+(`preflight.py`: clear one-line errors, no output folder yet); then processes, the tokenizer (whose chat
+template may still reject a row), the actor, the engine and the logger come up.
+The eval sets of `trainer.eval_every` are read and checked with the training data (sparserl/eval/).
+Left out on purpose: building a second model for evaluation (it runs on the rollout engine).
 """
 from __future__ import annotations
 
 import dataclasses
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from sparserl.actor.actor import Actor
-from sparserl.actor.hf import load_model, load_tokenizer, resolve_model_path
+from sparserl.actor.hf import load_model, load_tokenizer
 from sparserl.config import Config, to_dict, to_yaml
-from sparserl.data.dataset import PromptRow, format_prompt, load_prompts, rows_from_records
+from sparserl.data.dataset import PromptRow, format_prompt
 from sparserl.data.sampler import PromptSampler
 from sparserl.kv import KVPolicyConfig
 from sparserl.parallel import DistInfo, ParallelDims, init_distributed
 from sparserl.rollout.engine import build_engine
 from sparserl.rollout.types import SamplingParams
-from sparserl.utils.envload import EnvModule, load_env
-from sparserl.utils.errors import UserError
+from sparserl.trainer.preflight import Inputs, validate_inputs
+from sparserl.utils.errors import UserError, one_line
+from sparserl.utils import precision
 from sparserl.utils.logging import MetricsLogger, log0
 
 
-@dataclass
-class Inputs:
-    env: EnvModule
-    rows: list[PromptRow]
-    model_path: str
-
-
-def validate_inputs(cfg: Config) -> Inputs:
-    if cfg.rollout.engine == "sglang":
-        from sparserl.rollout.sglang import check_config  # imports no sglang: it says when sglang is missing
-
-        check_config(cfg)
-    env = load_env(cfg.env.path)
-    try:
-        if cfg.data.train_path:
-            rows = load_prompts(cfg.data.train_path, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.messages_key,
-                                cfg.data.answer_extract)
-        elif env.make_prompts is not None:
-            records = env.make_prompts(cfg.data.num_generated, cfg.trainer.seed)
-            rows = rows_from_records(records, f"env.path={cfg.env.path} make_prompts()", cfg.data.prompt_key,
-                                     cfg.data.answer_key, cfg.data.messages_key, cfg.data.answer_extract)
-        else:
-            raise UserError(f"data.train_path is empty and env.path={cfg.env.path} has no make_prompts(); give a data file")
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    if not rows:
-        raise UserError(f"data.train_path={cfg.data.train_path}: no rows")
-    return Inputs(env=env, rows=rows, model_path=resolve_model_path(cfg.model.path))
-
-
 def format_prompts(cfg: Config, rows: list[PromptRow], tokenizer) -> list[str]:
-    return [format_prompt(r, tokenizer, cfg.data.apply_chat_template, cfg.data.system_prompt) for r in rows]
+    """Each row's prompt text; a row that the chat template rejects is a UserError naming the row."""
+    from jinja2 import TemplateError
+
+    source = f"data.train_path={cfg.data.train_path}" if cfg.data.train_path else f"env.path={cfg.env.path} make_prompts()"
+    texts = []
+    for r in rows:
+        try:
+            texts.append(format_prompt(r, tokenizer, cfg.data.apply_chat_template, cfg.data.system_prompt))
+        except ValueError as e:  # format_prompt's own: already names the row
+            raise UserError(f"{source} {e}") from None
+        except (TemplateError, TypeError, KeyError) as e:  # raised by the template (its raise_exception, or its expressions)
+            raise UserError(f"{source} row {r.index}: the tokenizer's chat template rejects it: {one_line(e)} "
+                            "(fix the row's messages to suit this model's template)") from None
+    return texts
 
 
 def filter_long_prompts(cfg: Config, rows: list[PromptRow], prompts: list[str], tokenizer) -> tuple[list[PromptRow], list[str], int]:
@@ -123,7 +108,23 @@ def start_processes(cfg: Config) -> tuple[DistInfo, ParallelDims, object]:
     dims = ParallelDims.from_world(info.world_size, cfg.parallel.tp)
     if cfg.trainer.prompts_per_step % dims.dp:
         raise UserError(f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} must be divisible by the data-parallel size {dims.dp}")
+    resolve_precision(cfg, info.device)
     return info, dims, dims.build_mesh(info.device.type)
+
+
+def resolve_precision(cfg: Config, device: torch.device) -> None:
+    """Replace `auto` in model.compute_dtype / rollout.dtype with what this hardware runs fast (same on every
+    rank), set the CPU thread count, and say both once (utils/precision.py)."""
+    if device.type == "cpu":
+        torch.set_num_threads(precision.cpu_threads())
+    keys = [k for k, v in (("model.compute_dtype", cfg.model.compute_dtype), ("rollout.dtype", cfg.rollout.dtype)) if v == "auto"]
+    if keys:
+        choice = precision.agree(precision.choose_auto(device))
+        cfg.model.compute_dtype = precision.resolve(cfg.model.compute_dtype, choice)
+        cfg.rollout.dtype = precision.resolve(cfg.rollout.dtype, choice)
+        log0(f"precision: {', '.join(keys)}=auto -> {choice.dtype}: {choice.reason}")
+    if device.type == "cpu":
+        log0(f"cpu threads per process: {torch.get_num_threads()}")
 
 
 def prompt_sampler(cfg: Config, num_rows: int, mesh) -> PromptSampler:
@@ -141,5 +142,5 @@ def open_output(cfg: Config, rank: int, tokenizer_loaded) -> MetricsLogger:
                          total_steps=cfg.trainer.total_steps)
 
 
-__all__ = ["validate_inputs", "format_prompts", "sampling_params", "pool_slots", "build_rollout_engine", "build_actor",
-           "start_processes", "prompt_sampler", "open_output", "load_tokenizer", "filter_long_prompts"]
+__all__ = ["Inputs", "validate_inputs", "format_prompts", "sampling_params", "pool_slots", "build_rollout_engine", "build_actor",
+           "start_processes", "resolve_precision", "prompt_sampler", "open_output", "load_tokenizer", "filter_long_prompts"]

@@ -32,9 +32,11 @@ import torch.nn.functional as F
 
 from sparserl.actor.hf import export_hf, load_model, load_tokenizer, parse_dtype, resolve_model_path
 from sparserl.actor.optim import build_optimizer, build_scheduler
-from sparserl.config import Config, load_config, to_dict, to_yaml
+from sparserl.cli import parse_cli
+from sparserl.config import Config, to_dict, to_yaml
 from sparserl.data.dataset import PromptRow, format_prompt
 from sparserl.parallel import choose_device
+from sparserl.trainer.setup import resolve_precision
 from sparserl.utils.envload import load_env
 from sparserl.utils.errors import UserError, run_main
 from sparserl.utils.logging import MetricsLogger, log0, progress
@@ -156,6 +158,7 @@ def train(cfg: Config) -> None:
     model_path = resolve_model_path(cfg.model.path)
     set_seed(cfg.trainer.seed)
     device = choose_device(cfg.parallel.device)
+    resolve_precision(cfg, device)
     tokenizer = load_tokenizer(model_path)
     examples = tokenize_examples(cfg, records, source, tokenizer)
     model = load_model(model_path, cfg.model.dtype, device)
@@ -219,8 +222,12 @@ def train_step(model, optimizer, batch: list[Example], max_tokens: int, max_grad
 
 
 def main(argv: list[str] | None = None) -> None:
-    overrides = list(sys.argv[1:] if argv is None else argv)
-    run_main(lambda: train(load_config(overrides)))
+    def run() -> None:
+        cfg = parse_cli(sys.argv[1:] if argv is None else argv, "grpo")
+        if cfg is not None:  # None: --help or --cfg job was answered
+            train(cfg)
+
+    run_main(run)
 
 
 if __name__ == "__main__":

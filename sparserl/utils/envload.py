@@ -6,8 +6,9 @@ An env module defines
         # {"next_state": str | None, "reward": float, "score": float, "done": bool, "extra_info": dict}
 
 and optionally `max_turns: int`, `async def reset(extra_info: dict) -> str | None` (a string replaces the
-prompt text) and `make_prompts(num: int, seed: int) -> list[dict]` (a generated prompt set whose rows look
-like rows of a data file: "prompt" and "answer"). `state` is the whole conversation text so far, `action`
+prompt text), `make_prompts(num: int, seed: int) -> list[dict]` (a generated prompt set whose rows look
+like rows of a data file: "prompt" and "answer") and `extract_answer(response: str) -> str | None` (the
+answer that `step` checks, so evaluation can compare samples' answers for maj@n). `state` is the whole conversation text so far, `action`
 this turn's response; a multi-turn env returns `next_state = state + action + observation`.
 
 Left out on purpose: Gym-style classes, env pools and tool schemas; an env that needs them builds them
@@ -32,6 +33,7 @@ class EnvModule:
     reset: Callable[[dict], Awaitable[str | None]] | None = None
     max_turns: int | None = None
     make_prompts: Callable[[int, int], list[dict]] | None = None
+    extract_answer: Callable[[str], str | None] | None = None
 
     @property
     def name(self) -> str:
@@ -75,4 +77,8 @@ def load_env(path: str, key: str = "env.path") -> EnvModule:
     make_prompts = getattr(module, "make_prompts", None)
     if make_prompts is not None and not callable(make_prompts):
         raise TypeError(f"{key}={path}: `make_prompts` must be a function make_prompts(num, seed)")
-    return EnvModule(path=path, module=module, step=step, reset=reset, max_turns=max_turns, make_prompts=make_prompts)
+    extract_answer = getattr(module, "extract_answer", None)
+    if extract_answer is not None and not callable(extract_answer):
+        raise TypeError(f"{key}={path}: `extract_answer` must be a function extract_answer(response)")
+    return EnvModule(path=path, module=module, step=step, reset=reset, max_turns=max_turns, make_prompts=make_prompts,
+                     extract_answer=extract_answer)

@@ -1,5 +1,5 @@
 """The trainer with rollout.engine=sglang, 2 processes under torchrun: an exact fp32 run on a tiny model and two
-steps of the default task (SmolLM2-135M-Instruct, arithmetic, bf16 rollouts)."""
+steps of the default task (SmolLM2-135M-Instruct, arithmetic, `auto` precision: fp32 on an AVX2-only CPU)."""
 import json
 import math
 import os
@@ -54,7 +54,7 @@ def test_two_steps_of_the_default_task(tmp_path):
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        # bf16 rollouts against the bf16-compute actor: the native engine's floor on this run is ~2e-3.
+        # Below the bf16 floor of the native engine on this run (~4e-3); in fp32 both engines are at ~1e-6.
         assert math.isfinite(r["mismatch/kl"]) and abs(r["mismatch/kl"]) < 1e-2, r
         assert 0.0 <= r["reward/mean"] <= 1.0 and r["response/len_mean"] > 0
     assert (out / "hf" / "config.json").exists()

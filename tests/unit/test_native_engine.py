@@ -73,6 +73,21 @@ def test_seed_reproducible_and_batch_independent():
     assert [g.token_ids for g in a] != [g.token_ids for g in c]
 
 
+def test_seed_index_keys_draws_independently_of_position():
+    engine = NativeEngine(tiny_model("llama"), num_slots=1024, eos_token_ids=[])
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=5)
+    full = engine.generate([GenerationRequest(p, params, i, seed_index=100 + i) for i, p in enumerate(PROMPTS)])
+    # The same prompts split in two batches and in another order (as ranks would get them): the same draws.
+    odd = engine.generate([GenerationRequest(PROMPTS[i], params, i, seed_index=100 + i) for i in (3, 1)])
+    even = engine.generate([GenerationRequest(PROMPTS[i], params, i, seed_index=100 + i) for i in (4, 2, 0)])
+    by_key = {(g.request_id, g.sample_index): g.token_ids for g in odd + even}
+    assert {(g.request_id, g.sample_index): g.token_ids for g in full} == by_key
+    # Without a seed index the position keys the stream: moving a prompt changes its draws.
+    moved = engine.generate([GenerationRequest(PROMPTS[i], params, i) for i in (3, 1)])
+    plain = engine.generate([GenerationRequest(p, params, i) for i, p in enumerate(PROMPTS)])
+    assert moved[0].token_ids != plain[3].token_ids
+
+
 def test_continuous_batching_admits_into_freed_slots():
     engine = NativeEngine(tiny_model("llama"), num_slots=30, eos_token_ids=[])
     engine.trace = []

@@ -129,7 +129,7 @@ class NativeEngine:
                     "raise rollout.kv_pool_tokens, shorten the prompt or lower rollout.max_new_tokens"
                 )
             for j in range(params.n):
-                seqs.append(Sequence(self._next_seq_id, i, j, prompt, params, reserve))
+                seqs.append(Sequence(self._next_seq_id, i, j, prompt, params, reserve, seed_index=req.seed_index))
                 self._next_seq_id += 1
         return seqs
 

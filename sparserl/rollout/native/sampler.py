@@ -1,8 +1,8 @@
 """Draw one token per sequence and report its log-prob under the processed distribution.
 
-Each sequence owns a `torch.Generator` seeded from (params.seed or the engine seed, request, sample index),
-so a sequence's draws do not depend on which other sequences share its batch. Sampling is the exponential
-race (argmax of logp - log(E), E ~ Exp(1)), which draws exactly from softmax(logp).
+Each sequence owns a `torch.Generator` seeded from (params.seed or the engine seed, the request's seed index
+or position, sample index), so a sequence's draws do not depend on which other sequences share its batch.
+Sampling is the exponential race (argmax of logp - log(E), E ~ Exp(1)), which draws exactly from softmax(logp).
 Left out on purpose: speculative decoding, logit bias.
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ class Sampler:
             base = self.seed if seq.params.seed is None else seq.params.seed
             gen = torch.Generator(device=device)
             # Distinct, reproducible streams per (seed, request, sample).
-            gen.manual_seed((base * 1_000_003 + seq.request_index * 10_007 + seq.sample_index) % (2**63 - 1))
+            index = seq.request_index if seq.seed_index is None else seq.seed_index
+            gen.manual_seed((base * 1_000_003 + index * 10_007 + seq.sample_index) % (2**63 - 1))
             self._generators[seq.seq_id] = gen
         return gen
 

@@ -34,6 +34,7 @@ class Sequence:
     compressions: int = 0
     compress_s: float = 0.0
     admitted_step: int = -1
+    seed_index: int | None = None  # keys the sampling stream in place of request_index (GenerationRequest.seed_index)
     # Per-request generator state lives in the sampler, keyed by seq_id.
 
     @property

@@ -235,9 +235,10 @@ class SGLangEngine:
             if not req.prompt_token_ids:
                 raise ValueError(f"request {req.request_id!r}: empty prompt; give at least one token")
             base = self.seed if p.seed is None else p.seed
+            index = i if req.seed_index is None else req.seed_index
             for j in range(p.n):
-                # The native engine's stream key: (seed, request index, sample index).
-                seed = (base * 1_000_003 + i * 10_007 + j) % (2**63 - 1)
+                # The native engine's stream key: (seed, request seed index or position, sample index).
+                seed = (base * 1_000_003 + index * 10_007 + j) % (2**63 - 1)
                 out.append(_Sample(i, j, list(req.prompt_token_ids), p, seed))
         return out
 

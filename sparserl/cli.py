@@ -1,0 +1,133 @@
+"""The command line of every entry point: `key=value` overrides, `+preset=NAME`, `--help` and `--cfg job`.
+
+`parse_cli(argv, config_name)` returns the loaded, range-checked `Config`, or None after it answered
+`--help` / `-h` (every key with its value and its description) or `--cfg job` (the resolved config as YAML);
+the caller then exits 0. Under torchrun only rank 0 prints. Anything else that starts with `-` is a
+UserError. The help text is generated: keys and values from the dataclasses of `sparserl/config.py` and the
+loaded config, descriptions from the trailing `# comment` of each field in that file's source, valid values
+from `config_checks.RULES`. A key without a comment is listed without a description.
+
+Left out on purpose: the rest of Hydra's command line (`--multirun`, `--cfg hydra`, tab completion,
+`hydra.*` run directories): a run writes to `trainer.output_dir` and nowhere else.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import io
+import os
+import sys
+import textwrap
+import tokenize
+
+from sparserl.config import CONFIG_DIR, Config, load_config, to_yaml
+from sparserl.config_checks import RULES, show
+from sparserl.utils.errors import UserError
+
+KEY_WIDTH = 44  # "  key = value" is padded to this many characters before the description
+
+
+def parse_cli(argv: list[str], config_name: str = "grpo") -> Config | None:
+    """Overrides and options -> the Config, or None once `--help` or `--cfg job` has been answered."""
+    overrides, want_help, want_cfg = [], False, False
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ("-h", "--help"):
+            want_help = True
+        elif arg in ("--cfg", "-c") or arg.startswith("--cfg="):
+            what = arg.split("=", 1)[1] if "=" in arg else (args.pop(0) if args else "")
+            if what != "job":
+                raise UserError(f"--cfg {what or '(nothing)'}: only --cfg job is supported (the resolved run config)")
+            want_cfg = True
+        elif arg.startswith("-"):
+            raise UserError(f"unknown option {arg!r}: the options are --help and --cfg job; settings are key=value")
+        else:
+            overrides.append(arg)
+    if want_help:
+        _print(help_text(config_name, overrides))
+        return None
+    cfg = load_config(overrides, config_name=config_name)
+    if want_cfg:
+        _print(to_yaml(cfg).rstrip())
+        return None
+    return cfg
+
+
+def _print(text: str) -> None:
+    if os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `--help | head`: the reader left; say nothing more, not even at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def help_text(config_name: str = "grpo", overrides: list[str] | None = None) -> str:
+    cfg = load_config(overrides, config_name=config_name)
+    prog = _prog()
+    presets = sorted(p.stem for p in (CONFIG_DIR / "preset").glob("*.yaml"))
+    lines = [
+        f"usage: python -m {prog} [key=value ...] [+preset=NAME] [--cfg job] [-h]",
+        "",
+        f"Every key below is set with key=value; the values shown are configs/{config_name}.yaml's"
+        f"{' with the overrides given' if overrides else ''}.",
+        f"+preset=NAME applies configs/preset/NAME.yaml ({', '.join(presets)}); later overrides still apply.",
+        "--cfg job prints the resolved config as YAML and exits. A bad key, value, data file or output folder",
+        "stops the run before any work with one line `error: ...` on stderr and exit code 2.",
+    ]
+    _describe(cfg, "", lines)
+    return "\n".join(lines)
+
+
+def _prog() -> str:
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", "") or "sparserl.trainer.grpo"
+    return name.removesuffix(".__main__")
+
+
+def _describe(node, prefix: str, lines: list[str]) -> None:
+    """Leaves of `node` first, then one block per nested group, in field order."""
+    comments = field_comments(type(node))
+    groups = []
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            groups.append((key, value))
+            continue
+        text = comments.get(f.name, "")
+        rule = RULES.get(key)
+        if rule is not None and not (rule.names and all(name in text for name in rule.names)):
+            text = f"{text} [{rule.desc}]" if text else f"[{rule.desc}]"
+        entry = f"  {key} = {show(value)}"
+        lines.append(f"{entry:<{KEY_WIDTH}} {text}".rstrip() if len(entry) < KEY_WIDTH else f"{entry}  {text}".rstrip())
+    for key, value in groups:
+        doc = (inspect.getdoc(type(value)) or "").split("\n")[0]
+        doc = "" if doc.startswith(type(value).__name__ + "(") else doc  # dataclasses' generated signature
+        lines += ["", f"{key}:" + (f"  {doc}" if doc else "")]
+        _describe(value, f"{key}.", lines)
+
+
+@functools.cache
+def field_comments(cls: type) -> dict[str, str]:
+    """Each field's `# comment` in the source of dataclass `cls`: the one ending its line, else the comment
+    lines right above it."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    trailing, above = {}, {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            own_line = tok.line.lstrip().startswith("#")
+            (above if own_line else trailing)[tok.start[0]] = tok.string.lstrip("#").strip()
+    out = {}
+    for node in ast.parse(source).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            text = trailing.get(node.end_lineno) or trailing.get(node.lineno)
+            if text is None:
+                first = node.lineno
+                while first - 1 in above:
+                    first -= 1
+                text = " ".join(above[n] for n in range(first, node.lineno))
+            out[node.target.id] = text
+    return out

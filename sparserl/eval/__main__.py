@@ -1,0 +1,70 @@
+"""`python -m sparserl.eval key=value ...` (or `torchrun --nproc_per_node=N -m sparserl.eval ...`): evaluate a
+model on eval sets with the rollout engine, dense or with `rollout.kv.*` compression.
+
+Reads `configs/eval.yaml` over the same schema as training; checks every input (sets, keys, k <= n, model
+path, KV settings) before anything is written; shards prompts over the processes; rank 0 writes
+`eval.output_dir/eval.json` and `samples.jsonl` and prints the table.
+Left out on purpose: serving the model over HTTP, comparing several models in one call (run it per model).
+"""
+from __future__ import annotations
+
+import sys
+
+from sparserl.cli import parse_cli
+from sparserl.config import Config
+from sparserl.eval.datasets import load_eval_sets
+from sparserl.eval.model import load_dcp_weights, resolve_eval_model
+from sparserl.eval.report import format_table, settings, write_outputs
+from sparserl.eval.run import evaluate, format_prompts
+from sparserl.parallel import ParallelDims, init_distributed
+from sparserl.trainer import setup as S
+from sparserl.utils.errors import run_main
+from sparserl.utils.logging import log0
+
+
+def pool_slots(cfg: Config, lengths: list[int], seqs_per_rank: int) -> int:
+    """rollout.kv_pool_tokens, else enough for rollout.max_num_seqs dense sequences of the longest prompt."""
+    if cfg.rollout.kv_pool_tokens > 0:
+        return cfg.rollout.kv_pool_tokens
+    return max(1, min(seqs_per_rank, cfg.rollout.max_num_seqs)) * (max(lengths) + cfg.eval.max_new_tokens)
+
+
+def run(cfg: Config) -> None:
+    sets = load_eval_sets(cfg.eval)  # user errors surface here, before anything is written
+    model = resolve_eval_model(cfg.model.path)
+    if cfg.rollout.engine == "sglang":
+        from sparserl.rollout.sglang import check_config
+
+        check_config(cfg)
+    S.kv_policy(cfg)
+    info = init_distributed(cfg.parallel.device, cfg.parallel.backend)
+    dims = ParallelDims.from_world(info.world_size, cfg.parallel.tp)
+    S.resolve_precision(cfg, info.device)
+    dp = dims.build_mesh(info.device.type)["dp"]
+    tokenizer = S.load_tokenizer(model.path)
+    texts = format_prompts(cfg, sets, tokenizer)
+    lengths = [len(ids) for t in texts for ids in tokenizer(t, add_special_tokens=False)["input_ids"]]
+    per_rank = max(-(-len(s.rows) // dims.dp) for s in sets) * cfg.eval.n
+    engine = S.build_rollout_engine(cfg, model.path, tokenizer, info.device, pool_slots(cfg, lengths, per_rank), cfg.eval.seed)
+    if model.dcp is not None:
+        engine.update_weights(load_dcp_weights(model.dcp))
+    log0(f"evaluating {model.describe()} on {', '.join(f'{s.name} ({len(s.rows)})' for s in sets)}: "
+         f"n={cfg.eval.n}, temperature {cfg.eval.temperature}, kv {cfg.rollout.kv.algorithm}, {info.world_size} process(es)")
+    result = evaluate(engine, tokenizer, cfg, sets, texts, dp.get_local_rank(), dp.size(), dp.get_group(), info.rank)
+    if info.rank == 0:
+        out = write_outputs(cfg.eval.output_dir, result, settings(cfg, model.describe(), info.world_size))
+        print(format_table(result), flush=True)
+        print(f"wrote {out / 'eval.json'} and {out / 'samples.jsonl'}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    def go() -> None:
+        cfg = parse_cli(list(sys.argv[1:] if argv is None else argv), "eval")
+        if cfg is not None:  # None: --help or --cfg job was answered
+            run(cfg)
+
+    run_main(go)
+
+
+if __name__ == "__main__":
+    main()

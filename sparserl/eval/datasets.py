@@ -1,0 +1,137 @@
+"""Evaluation sets: `eval.datasets` entries -> checked `EvalSet`s (rows read, env loaded) before any output.
+
+An entry is the name of a shared eval set (`SHARED`: the files of ../shared/data/eval with their fields, the
+math env and a boxed-answer instruction) or a mapping `{name, path, prompt_key, answer_key, answer_extract,
+env, suffix}`; a mapping whose name is a shared set starts from that set's values. `eval.limit` keeps the
+first rows of each file (the same rows for every run, so numbers compare across models and settings).
+
+Every mistake is a `UserError` naming the entry: unknown name or field, missing file, a prompt key no row
+has, an answer key no row has, k outside [1, n].
+Left out on purpose: hub downloads, per-set sampling settings (one `eval.*` for all sets), shuffling.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sparserl.config import EvalConfig
+from sparserl.data.dataset import ANSWER_EXTRACTORS, PromptRow, load_prompts
+from sparserl.utils.envload import EnvModule, load_env
+from sparserl.utils.errors import UserError
+
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "eval"
+# The instruction of the Qwen2.5-Math chain-of-thought prompt, which the Sparse-RL evaluation suite uses.
+BOXED_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+@dataclass
+class EvalSetSpec:
+    name: str
+    path: str = ""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    answer_extract: str = "none"
+    env: str = "envs/math.py"
+    suffix: str = ""  # appended to the user message (see data.dataset.format_prompt)
+
+
+def _shared(name: str, file: str, prompt_key: str, answer_key: str, extract: str = "none") -> EvalSetSpec:
+    return EvalSetSpec(name, file, prompt_key, answer_key, extract, "envs/math.py", BOXED_SUFFIX)
+
+
+SHARED: dict[str, EvalSetSpec] = {s.name: s for s in (
+    _shared("gsm8k", "gsm8k.jsonl", "question", "answer", "gsm8k_hash"),
+    _shared("math500", "math500.jsonl", "problem", "answer"),
+    _shared("aime24", "aime24.jsonl", "problem", "answer"),
+    _shared("amc23", "amc23.jsonl", "problem", "answer"),
+    _shared("minerva", "minerva_math.jsonl", "problem", "solution", "boxed"),
+    _shared("olympiadbench", "olympiadbench.jsonl", "question", "final_answer"),
+    _shared("gaokao2023en", "gaokao2023en.jsonl", "question", "answer"),
+    _shared("mawps", "mawps.jsonl", "input", "target"),
+)}
+
+
+@dataclass
+class EvalSet:
+    spec: EvalSetSpec
+    rows: list[PromptRow]
+    env: EnvModule
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def resolve_spec(entry: Any, i: int, data_dir: Path) -> EvalSetSpec:
+    where = f"eval.datasets[{i}]"
+    if isinstance(entry, str):
+        if entry not in SHARED:
+            raise UserError(f"{where}={entry!r} is not a known eval set; name one of {', '.join(SHARED)} "
+                            "or give {name: ..., path: ..., prompt_key: ..., answer_key: ..., env: ...}")
+        entry = {"name": entry}
+    if not isinstance(entry, dict):
+        raise UserError(f"{where}: give a set name or a mapping, got {entry!r}")
+    fields = [f.name for f in dataclasses.fields(EvalSetSpec)]
+    unknown = sorted(set(entry) - set(fields))
+    if unknown:
+        raise UserError(f"{where}: unknown field(s) {', '.join(unknown)}; the fields are {', '.join(fields)}")
+    name = entry.get("name")
+    if not name or not isinstance(name, str):
+        raise UserError(f"{where}: every entry needs a name")
+    base = SHARED.get(name)
+    if base is None and not entry.get("path"):
+        raise UserError(f"{where} ({name}): not a shared eval set, so give its path")
+    spec = dataclasses.replace(base or EvalSetSpec(name), **{k: ("" if v is None else v) for k, v in entry.items()})
+    path = Path(spec.path).expanduser()
+    if base is not None and "path" not in entry:
+        path = data_dir / base.path
+    spec.path = str(path)
+    if spec.answer_extract not in ANSWER_EXTRACTORS:
+        raise UserError(f"{where} ({name}): answer_extract={spec.answer_extract!r}; choose one of {', '.join(ANSWER_EXTRACTORS)}")
+    return spec
+
+
+def check_sampling(cfg: EvalConfig) -> None:
+    if cfg.n < 1:
+        raise UserError(f"eval.n={cfg.n}: give at least one sample per prompt")
+    bad = [k for k in cfg.k if not isinstance(k, int) or not 1 <= k <= cfg.n]
+    if not cfg.k or bad:
+        raise UserError(f"eval.k={list(cfg.k)}: every k must be in [1, eval.n={cfg.n}] (pass@k needs n >= k samples)")
+    if cfg.limit < 0:
+        raise UserError(f"eval.limit={cfg.limit}: give 0 (every prompt) or a positive number")
+    if cfg.max_new_tokens < 1:
+        raise UserError(f"eval.max_new_tokens={cfg.max_new_tokens}: must be positive")
+    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
+        raise UserError(f"eval.temperature={cfg.temperature}, eval.top_p={cfg.top_p}: need temperature >= 0 and 0 < top_p <= 1")
+
+
+def load_eval_sets(cfg: EvalConfig) -> list[EvalSet]:
+    """Every entry of `cfg.datasets`, read and checked; raises UserError before anything is written."""
+    check_sampling(cfg)
+    if not cfg.datasets:
+        raise UserError("eval.datasets is empty; e.g. eval.datasets=[gsm8k,mawps] (shared sets: " + ", ".join(SHARED) + ")")
+    data_dir = Path(cfg.data_dir).expanduser() if cfg.data_dir else DEFAULT_DATA_DIR
+    sets, names = [], set()
+    for i, entry in enumerate(cfg.datasets):
+        spec = resolve_spec(entry, i, data_dir)
+        if spec.name in names:
+            raise UserError(f"eval.datasets[{i}]: the name {spec.name!r} is used twice")
+        names.add(spec.name)
+        where = f"eval.datasets[{i}] ({spec.name})"
+        if not Path(spec.path).exists():
+            raise UserError(f"{where}: no such file {spec.path}")
+        try:
+            rows = load_prompts(spec.path, spec.prompt_key, spec.answer_key, "messages", spec.answer_extract, key=where)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if not rows:
+            raise UserError(f"{where}: {spec.path} has no rows")
+        if all(r.answer is None for r in rows):
+            fields = sorted(rows[0].extra)
+            raise UserError(f"{where}: no row of {spec.path} has the answer key {spec.answer_key!r} (other fields: {', '.join(fields)})")
+        if cfg.limit:
+            rows = rows[: cfg.limit]
+        sets.append(EvalSet(spec, rows, load_env(spec.env, key=f"{where} env")))
+    return sets

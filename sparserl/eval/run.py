@@ -1,0 +1,114 @@
+"""Evaluate the policy in a rollout engine on `EvalSet`s: shard prompts over data-parallel ranks, roll out
+through each set's env, gather every sample on every rank, compute the metrics.
+
+A sample's draws depend only on (eval.seed, the set's name, the prompt's row in its file, the sample index):
+the set name and eval.seed make `SamplingParams.seed`, the row index is the request's `seed_index`. Prompt i
+goes to data-parallel rank i % dp, and results are ordered by (row, sample) after the gather, so 1 or N
+processes give the same samples and the same numbers. The engine is woken and left awake (a `sleep()` may
+drop weights that the next training rollout needs; its `wake()` is a no-op then).
+Left out on purpose: caching generations across calls, early stopping on a confidence bound.
+"""
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from sparserl.config import Config
+from sparserl.data.dataset import format_prompt
+from sparserl.eval.datasets import EvalSet
+from sparserl.eval.metrics import SampleRecord, dataset_metrics
+from sparserl.rollout.types import SamplingParams
+from sparserl.rollout.worker import Sample, rollout
+from sparserl.utils.errors import UserError
+from sparserl.utils.logging import progress
+
+
+@dataclass
+class EvalResult:
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # set -> metric -> value
+    records: dict[str, list[SampleRecord]] = field(default_factory=dict)  # set -> samples by (row, sample)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class _Progress:
+    """Engine wrapper that advances a progress bar as sequences finish."""
+
+    def __init__(self, engine, bar):
+        self.engine, self.bar = engine, bar
+
+    def generate(self, requests, progress=None):
+        return self.engine.generate(requests, progress=self.bar.update)
+
+
+def set_seed(seed: int, name: str) -> int:
+    """`SamplingParams.seed` of a set: stable across processes and Python runs (no `hash()`)."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31)
+
+
+def sampling_params(cfg: Config, name: str) -> SamplingParams:
+    e = cfg.eval
+    return SamplingParams(temperature=e.temperature, top_p=e.top_p, max_new_tokens=e.max_new_tokens, n=e.n,
+                          seed=set_seed(e.seed, name))
+
+
+def format_prompts(cfg: Config, sets: list[EvalSet], tokenizer) -> list[list[str]]:
+    """Prompt texts as the model sees them, formatted like training prompts (data.apply_chat_template, data.system_prompt)."""
+    try:
+        return [[format_prompt(r, tokenizer, cfg.data.apply_chat_template, cfg.data.system_prompt, s.spec.suffix) for r in s.rows]
+                for s in sets]
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def _record(name: str, row, text: str, s: Sample, sample_index: int, tokenizer, env) -> SampleRecord:
+    response = tokenizer.decode(s.response_ids, skip_special_tokens=True)  # single turn: exactly what the env scored
+    return SampleRecord(
+        dataset=name, index=row.index, sample=sample_index, prompt=text, response=response,
+        answer=row.answer, extracted=env.extract_answer(response) if env.extract_answer is not None else None,
+        correct=s.score > 0, score=s.score, tokens=sum(s.loss_mask), finish_reason=s.finish_reason, status=s.status,
+        kv_peak=max((k.peak_slots for k in s.kv), default=0), kv_retained=sum(k.retained_tokens for k in s.kv),
+        kv_total=sum(k.total_tokens for k in s.kv))
+
+
+def _gather(records: list[SampleRecord], group) -> list[SampleRecord]:
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return records
+    parts: list[list[SampleRecord] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, records, group=group)
+    return [r for part in parts for r in part]
+
+
+def evaluate(engine, tokenizer, cfg: Config, sets: list[EvalSet], texts: list[list[str]], dp_rank: int = 0,
+             dp_size: int = 1, group=None, rank: int = 0) -> EvalResult:
+    """Every set once; returns the same result on every rank. `texts` come from `format_prompts`."""
+    engine.wake()
+    result = EvalResult()
+    kv_bytes = getattr(engine.stats(), "kv_bytes_per_slot", 0)
+    for s, set_texts in zip(sets, texts):
+        t0 = time.perf_counter()
+        params = sampling_params(cfg, s.name)
+        mine = list(range(dp_rank, len(s.rows), dp_size))
+        rows, prompts = [s.rows[i] for i in mine], [set_texts[i] for i in mine]
+        local: list[SampleRecord] = []
+        if rows:
+            with progress(len(rows) * params.n, f"eval {s.name}", rank, cfg.logger.progress) as bar:
+                samples, _ = rollout(_Progress(engine, bar), tokenizer, s.env, rows, prompts, params,
+                                     seed_indices=[r.index for r in rows])
+            # Samples come in prompt order, `n` per prompt, in sample order (worker contract).
+            local = [_record(s.name, rows[j // params.n], prompts[j // params.n], sample, j % params.n, tokenizer, s.env)
+                     for j, sample in enumerate(samples)]
+        records = sorted(_gather(local, group), key=lambda r: (r.index, r.sample))
+        result.records[s.name] = records
+        result.metrics[s.name] = dataset_metrics(records, params.n, list(cfg.eval.k), s.env.extract_answer is not None, kv_bytes)
+        result.seconds[s.name] = time.perf_counter() - t0
+    return result
+
+
+def flat_metrics(result: EvalResult) -> dict[str, float]:
+    """`eval/<set>/<metric>` rows for metrics.jsonl, plus `eval/time_s`."""
+    out = {f"eval/{name}/{k}": v for name, m in result.metrics.items() for k, v in m.items()}
+    out["eval/time_s"] = sum(result.seconds.values())
+    return out

@@ -1,0 +1,95 @@
+"""The trainer's input checks: everything a user can get wrong, found before torch is imported or a file written.
+
+`validate_inputs` runs on every rank right after the config loaded (`config_checks` has range-checked its
+values by then): the SGLang settings, `trainer.output_dir` (a folder this process can write, or can create;
+it is not created here), `trainer.resume`, the env module, every data row, the eval sets of
+`trainer.eval_every`, and last the model path (the one check that imports torch). Each failure is a
+`UserError` naming the key or the file and row.
+
+Left out on purpose: checks that need the model or the world (tensor-parallel divisibility, the chat
+template, prompt lengths), which run where the model and tokenizer are loaded.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sparserl.config import Config
+from sparserl.data.dataset import PromptRow, load_prompts, rows_from_records
+from sparserl.eval.datasets import EvalSet, load_eval_sets
+from sparserl.utils.envload import EnvModule, load_env
+from sparserl.utils.errors import UserError
+
+
+@dataclass
+class Inputs:
+    env: EnvModule
+    rows: list[PromptRow]
+    model_path: str
+    eval_sets: list[EvalSet] = field(default_factory=list)  # trainer.eval_every > 0
+
+
+def validate_inputs(cfg: Config) -> Inputs:
+    if cfg.rollout.engine == "sglang":
+        from sparserl.rollout.sglang import check_config  # imports no sglang: it says when sglang is missing
+
+        check_config(cfg)
+    check_output_dir(cfg.trainer.output_dir)
+    check_resume(cfg.trainer.resume)
+    env = checked_env(cfg.env.path)
+    try:
+        if cfg.data.train_path:
+            rows = load_prompts(cfg.data.train_path, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.messages_key,
+                                cfg.data.answer_extract)
+        elif env.make_prompts is not None:
+            records = env.make_prompts(cfg.data.num_generated, cfg.trainer.seed)
+            rows = rows_from_records(records, f"env.path={cfg.env.path} make_prompts()", cfg.data.prompt_key,
+                                     cfg.data.answer_key, cfg.data.messages_key, cfg.data.answer_extract)
+        else:
+            raise UserError(f"data.train_path is empty and env.path={cfg.env.path} has no make_prompts(); give a data file")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not rows:
+        raise UserError(f"data.train_path={cfg.data.train_path}: no rows")
+    eval_sets = load_eval_sets(cfg.eval) if cfg.trainer.eval_every > 0 else []
+    from sparserl.actor.hf import resolve_model_path  # imports torch, so it comes last
+
+    return Inputs(env=env, rows=rows, model_path=resolve_model_path(cfg.model.path), eval_sets=eval_sets)
+
+
+def check_output_dir(path: str, key: str = "trainer.output_dir") -> None:
+    """Raise unless `path` is a writable folder or one that can be created; leaves nothing behind."""
+    target = Path(path).expanduser().absolute()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "a file is there" if existing == target else f"{existing} is a file"
+        raise UserError(f"{key}={path}: {where}, so it cannot be the run's folder; choose another {key}")
+    try:  # a real write, since permission bits do not tell (root, read-only mounts, /proc)
+        os.rmdir(tempfile.mkdtemp(prefix=".sparserl-write-check-", dir=existing))
+    except OSError as e:
+        where = "the folder is not writable" if existing == target else f"cannot create a folder in {existing}"
+        raise UserError(f"{key}={path}: {where} ({e.strerror}); choose a folder you can write") from None
+
+
+def check_resume(resume: str) -> None:
+    if resume in ("none", "auto"):
+        return
+    if not (Path(resume) / "COMPLETE").exists():
+        raise UserError(f"trainer.resume={resume}: not a complete sparserl checkpoint folder (no COMPLETE file); "
+                        "use none, auto, or a trainer.output_dir/checkpoints/step_N folder")
+
+
+def checked_env(path: str) -> EnvModule:
+    """`load_env`, with a file that is not Python, or not an env, reported in one line."""
+    try:
+        return load_env(path)
+    except SyntaxError as e:
+        raise UserError(f"env.path={path}: not a Python env module: {e.msg} (line {e.lineno})") from None
+    except (AttributeError, TypeError, ImportError) as e:
+        if not str(e).startswith("env.path="):  # raised inside the env's own code: its traceback helps more
+            raise
+        raise UserError(str(e)) from None
