@@ -94,7 +94,8 @@ def evaluate(engine, tokenizer, cfg: Config, sets: list[EvalSet], texts: list[li
         rows, prompts = [s.rows[i] for i in mine], [set_texts[i] for i in mine]
         local: list[SampleRecord] = []
         if rows:
-            with progress(len(rows) * params.n, f"eval {s.name}", rank, cfg.logger.progress) as bar:
+            with progress(len(rows) * params.n, f"eval {s.name}", rank, cfg.logger.progress,
+                          lines_every_s=30.0) as bar:
                 samples, _ = rollout(_Progress(engine, bar), tokenizer, s.env, rows, prompts, params,
                                      seed_indices=[r.index for r in rows])
             # Samples come in prompt order, `n` per prompt, in sample order (worker contract).

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -186,9 +187,39 @@ def progress_enabled() -> bool:
     return sys.stderr.isatty()
 
 
-def progress(total: int, desc: str, rank: int, enabled: bool = True):
-    """A tqdm bar on rank 0 (stderr, cleared when done), a no-op object elsewhere."""
-    if rank != 0 or not enabled or not progress_enabled():
+class _LineProgress(_NullProgress):
+    """Progress for a log file: one plain line on stderr at most every `every_s` seconds, and one at the end."""
+
+    def __init__(self, total: int, desc: str, every_s: float) -> None:
+        self.total, self.desc, self.every_s = total, desc, every_s
+        self.t0 = self.last = time.monotonic()
+
+    def _line(self) -> None:
+        elapsed = time.monotonic() - self.t0
+        eta = elapsed / self.n * (self.total - self.n) if self.n else float("nan")
+        pct = 100.0 * self.n / self.total if self.total else 100.0
+        print(f"{self.desc}: {self.n}/{self.total} ({pct:.0f}%), {elapsed:.0f} s, eta {eta:.0f} s", file=sys.stderr, flush=True)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self.last >= self.every_s and self.n < self.total:
+            self.last = now
+            self._line()
+
+    def close(self) -> None:
+        if time.monotonic() - self.t0 >= self.every_s:  # short work ends without a line
+            self._line()
+
+
+def progress(total: int, desc: str, rank: int, enabled: bool = True, lines_every_s: float = 0.0):
+    """A tqdm bar on rank 0 (stderr, cleared when done), a no-op object elsewhere. Where bars are off by default
+    (stderr not a terminal) and `lines_every_s` > 0, rank 0 prints a plain progress line that often instead."""
+    if rank != 0 or not enabled:
+        return _NullProgress()
+    if not progress_enabled():
+        if lines_every_s > 0 and os.environ.get("SPARSERL_PROGRESS", "").strip() != "0":
+            return _LineProgress(total, desc, lines_every_s)
         return _NullProgress()
     from tqdm import tqdm
 
