@@ -169,6 +169,7 @@ class TrainerConfig:
     export_hf: bool = True  # write the final policy to output_dir/hf
     stop_after: int = 0  # stop (as if interrupted) after this many steps; 0 = off
     eval_every: int = 0  # evaluate eval.* on the rollout engine every this many steps, at step 0 and at the end; 0 = off
+    log_samples: int = 4  # sequences per step written token by token to samples/step_N.jsonl (and wandb); 0 = off
 
 
 @dataclass

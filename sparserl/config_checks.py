@@ -146,6 +146,7 @@ RULES: dict[str, Rule] = {
     "trainer.seed": NON_NEG,
     "trainer.stop_after": NON_NEG,
     "trainer.eval_every": NON_NEG,
+    "trainer.log_samples": within("[0, 64]"),
     "eval.n": COUNT,
     "eval.k": each(COUNT, min_len=1),
     "eval.temperature": NON_NEG,

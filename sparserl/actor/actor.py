@@ -41,6 +41,7 @@ class TrainBatch:
     logp_ref: torch.Tensor | None = None
     weights: torch.Tensor | None = None  # correction weights (B, T)
     kl_weights: torch.Tensor | None = None
+    origin: list[tuple[int, int]] | None = None  # (DP rank, row) each row was rolled out at; None: here, in order
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -119,7 +119,9 @@ def dist_reduce_max(group: object = None) -> Reduce:
 
 
 @dataclass
-class _Decision:
+class Decision:
+    """Each filter's outcome for a (B, T) batch; `correct`, `token_decisions` and `explain` all take it from `_decide`."""
+
     keep: Tensor  # (B, T) bool: response token that survives every filter
     low: Tensor  # (B, T) bool: masked for xi < token_low
     high: Tensor  # (B, T) bool: masked for xi > token_high
@@ -134,7 +136,7 @@ def _log(x: float) -> float:
     return math.log(x) if x > 0 else -math.inf
 
 
-def _decide(cfg: CorrectionConfig, log_xi: Tensor, on: Tensor) -> _Decision:
+def _decide(cfg: CorrectionConfig, log_xi: Tensor, on: Tensor) -> Decision:
     none_tok = torch.zeros_like(on)  # (B, T)
     none_seq = torch.zeros(on.shape[0], dtype=torch.bool, device=on.device)  # (B,)
     low = on & (log_xi < _log(cfg.token_low)) if cfg.token_low is not None else none_tok
@@ -157,7 +159,7 @@ def _decide(cfg: CorrectionConfig, log_xi: Tensor, on: Tensor) -> _Decision:
     else:
         capped, truncated = torch.ones_like(log_xi), none_tok
     raw = torch.where(keep, capped, torch.ones_like(capped))  # (B, T)
-    return _Decision(keep, low, high, veto, geo, raw, truncated, capped)
+    return Decision(keep, low, high, veto, geo, raw, truncated, capped)
 
 
 def log_ratio(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -178,6 +180,14 @@ def token_decisions(cfg: CorrectionConfig, logp_old: Tensor, logp_sparse: Tensor
     return mask.detach().to(log_xi.dtype) * d.keep.to(log_xi.dtype), d.raw_weights
 
 
+@torch.no_grad()
+def explain(cfg: CorrectionConfig, logp_old: Tensor, logp_sparse: Tensor, mask: Tensor) -> tuple[Tensor, Decision]:
+    """(clamped log xi (B, T), every filter's outcome): the decisions the loss takes, for logging them
+    (sparserl/trainer/samples.py). Weights are before the batch normalization."""
+    log_xi, on = log_ratio(logp_old, logp_sparse, mask)
+    return log_xi, _decide(cfg, log_xi, on)
+
+
 # Layout of the all-reduced float64 statistics vectors.
 _SUMS = ("tok", "seq", "diff", "abs_diff", "k3", "nll_sparse", "nll_dense",
          "low", "high", "rejected", "veto", "geo", "kept", "w", "w2", "truncated", "w_all")
@@ -185,7 +195,7 @@ _MAXES = ("abs_diff", "w", "neg_w")
 
 
 def _local_stats(log_xi: Tensor, on: Tensor, logp_old: Tensor, logp_sparse: Tensor,
-                 d: _Decision | None) -> tuple[Tensor, Tensor]:
+                 d: Decision | None) -> tuple[Tensor, Tensor]:
     f = torch.float64
     lx = log_xi.to(f)  # (B, T)
     n_tok = on.sum(-1)  # (B,)

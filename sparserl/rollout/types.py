@@ -88,6 +88,9 @@ class KVStats:
     compressions: int = 0
     compress_s: float = 0.0
     preemptions: int = 0
+    # Number of tokens generated before each compression: token k (0-based) onward was sampled from the
+    # compressed cache. Empty for a dense cache and for engines that do not report it.
+    compressed_at: list[int] = field(default_factory=list)
 
 
 @dataclass

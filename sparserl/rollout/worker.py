@@ -51,6 +51,7 @@ class Sample:
     num_turns: int = 0
     finish_reason: str = ""
     kv: list[KVStats] = field(default_factory=list)
+    compressed_at: list[int] = field(default_factory=list)  # response positions of the first token after each compression
     extra_info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -96,6 +97,7 @@ def _generate(engine: RolloutEngine, requests: list[GenerationRequest], counts: 
 
 def _append_turn(live: _Live, gen: Generation) -> None:
     s = live.sample
+    s.compressed_at += [len(s.response_ids) + k for k in gen.kv.compressed_at]
     s.response_ids += gen.token_ids
     s.loss_mask += [1] * len(gen.token_ids)
     s.logp_sparse += [float(x) for x in gen.logp_sparse]

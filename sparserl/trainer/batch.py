@@ -190,8 +190,9 @@ def balance_ranks(batch: TrainBatch, num_minibatches: int, dp_group) -> tuple[Tr
     for k, index in enumerate(home):
         for i in index:
             r = len(batch.ids[i]) - batch.prompt_lens[i]
+            origin = batch.origin[i] if batch.origin is not None else (rank, i)
             mine.append((k, batch.ids[i], batch.prompt_lens[i], float(batch.advantages[i]),
-                         [getattr(batch, f)[i, :r].detach().cpu() for f in fields]))
+                         [getattr(batch, f)[i, :r].detach().cpu() for f in fields], origin))
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine, group=dp_group)
     before = [sum(len(seq[1]) for seq in part) for part in everyone]
@@ -213,7 +214,8 @@ def balance_ranks(batch: TrainBatch, num_minibatches: int, dp_group) -> tuple[Tr
             t[i, : len(seq[4][j])] = seq[4][j]
         per_token[f] = t.to(device)
     new = TrainBatch(ids=[seq[1] for seq in rows], prompt_lens=[seq[2] for seq in rows],
-                     advantages=torch.tensor([seq[3] for seq in rows], dtype=torch.float32, device=device), **per_token)
+                     advantages=torch.tensor([seq[3] for seq in rows], dtype=torch.float32, device=device),
+                     origin=[seq[5] for seq in rows], **per_token)
     mean = max(sum(before) / world, 1e-9)
     metrics = {"perf/dp_load_imbalance_before": max(before) / mean, "perf/dp_load_imbalance": max(after) / mean}
     return new, minibatches, metrics

@@ -40,9 +40,10 @@ def train(cfg: Config) -> None:
     from sparserl.rollout.weight_sync import sync_weights
     from sparserl.rollout.worker import rollout
     from sparserl.trainer import setup as S
-    from sparserl.trainer.batch import (FusedOldLogprobLoss, apply_correction, balance_ranks, fused_old_logprobs,
-                                        loss_config, make_loss_fn, set_advantages, to_train_batch)
+    from sparserl.trainer.batch import (FusedOldLogprobLoss, apply_correction, balance_ranks, correction_config,
+                                        fused_old_logprobs, loss_config, make_loss_fn, set_advantages, to_train_batch)
     from sparserl.trainer.metrics import gather_step_metrics
+    from sparserl.trainer.samples import SampleLog
     from sparserl.utils.logging import log0, progress
     from sparserl.utils.memory import PhasePeaks, release_free_memory
     from sparserl.utils.seed import rng_state, set_rng_state, set_seed
@@ -69,6 +70,9 @@ def train(cfg: Config) -> None:
         log0(f"resumed from {resume_from} at step {start}")
     logger = S.open_output(cfg, info.rank, tokenizer)
     logger.truncate_after(start if start else -1)  # a fresh run also drops an old run's step-0 eval row
+    sample_log = SampleLog(cfg.trainer.output_dir, cfg.trainer.log_samples, info.rank, correction_config(cfg.algo),
+                           tokenizer, logger.wandb_run)
+    sample_log.truncate_after(start if start else -1)
     sync_weights(actor.full_state(), engine)
     evals = TrainEval(cfg, inputs.eval_sets, engine, tokenizer, mesh, info.rank)  # trainer.eval_every; off when 0
     if evals.enabled and start == 0:
@@ -125,7 +129,10 @@ def train(cfg: Config) -> None:
         with timers("weight_sync"):
             sync_weights(actor.full_state(), engine)
 
-        # 8: metrics and checkpoints.
+        # 8: logged samples (a few sequences token by token, with the logp_old the update used), metrics, checkpoints.
+        if sample_log.enabled:
+            with timers("log_samples"):
+                sample_log.log(step, samples, batch, correction_metrics.get("correction/norm_factor", 1.0), actor.dp_group)
         metrics = gather_step_metrics(step, samples, rollout_metrics, engine.stats(), batch, timers.pop(),
                                       time.perf_counter() - t_step, actor.dp_group, info.device)
         metrics.update(correction_metrics | adv_metrics | balance_metrics | actor_metrics)

@@ -115,6 +115,11 @@ class MetricsLogger:
             values = {k: v for k, v in record.items() if k != "step" and v is not None}
             self._wandb.log(values, step=int(step))
 
+    @property
+    def wandb_run(self):
+        """The wandb run on rank 0 when wandb is on, else None (other loggers add their own panels to it)."""
+        return self._wandb
+
     def truncate_after(self, step: int) -> None:
         """Keep only lines with `"step" <= step`; unparseable lines (a crash mid-write) are dropped too."""
         if not self.enabled:

@@ -158,4 +158,5 @@ class Compressor:
         seq.slots = seq.slots[:keep]
         seq.slots_version += 1
         seq.compressions += 1
+        seq.compressed_at.append(len(seq.output))  # output[k:] is sampled from the compressed cache
         seq.compress_s += time.perf_counter() - t0

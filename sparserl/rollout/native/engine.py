@@ -218,6 +218,7 @@ class NativeEngine:
             total_tokens=seq.num_tokens - 1,
             compressions=seq.compressions,
             compress_s=seq.compress_s,
+            compressed_at=list(seq.compressed_at),
         )
         return Generation(req.request_id, seq.sample_index, seq.prompt, list(seq.output), list(seq.logps), seq.finish_reason, text, kv)
 

@@ -33,6 +33,7 @@ class Sequence:
     retained_at_finish: int = 0  # slots held when it finished
     compressions: int = 0
     compress_s: float = 0.0
+    compressed_at: list[int] = field(default_factory=list)  # len(output) at each compression
     admitted_step: int = -1
     seed_index: int | None = None  # keys the sampling stream in place of request_index (GenerationRequest.seed_index)
     # Per-request generator state lives in the sampler, keyed by seq_id.
