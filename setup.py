@@ -25,7 +25,10 @@ setup(
         "sglang": ["sglang==0.5.23"],
         "flash": ["flash-attn>=2.6"],
         "wandb": ["wandb"],
+        # python -m sparserl.report (curves drawn by matplotlib).
+        "report": ["matplotlib"],
     },
+    package_data={"sparserl.report": ["viewer.js", "report.css"]},
     # Loaded by SGLang in each of its processes: registers the "sparserl" sampling backend
     # (sparserl/rollout/sglang/sampler.py). Nothing is imported unless SGLang loads its plugins.
     entry_points={"sglang.srt.plugins": ["sparserl_sampler = sparserl.rollout.sglang.sampler:register"]},

@@ -151,6 +151,7 @@ CASES = [
     ("trainer.seed", ["trainer.seed=-1"], "trainer.seed=-1"),
     ("trainer.stop_after", ["trainer.stop_after=-1"], "trainer.stop_after=-1"),
     ("trainer.eval_every", ["trainer.eval_every=-1"], "trainer.eval_every=-1"),
+    ("trainer.log_samples", ["trainer.log_samples=65"], "trainer.log_samples=65: must be in [0, 64]"),
     ("eval.n", ["eval.n=0"], "eval.n=0"),
     ("eval.k", ["eval.k=[0]"], "eval.k=[0]"),
     ("eval.temperature", ["eval.temperature=-1"], "eval.temperature=-1.0"),
