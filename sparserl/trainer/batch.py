@@ -178,7 +178,8 @@ def balance_ranks(batch: TrainBatch, num_minibatches: int, dp_group) -> tuple[Tr
     Karmarkar-Karp on token counts. The optimizer steps therefore see the same sequence sets as without
     balancing, and since losses are normalized by all-reduced counts, the update is the same up to the order
     of floating-point sums. Returns this rank's new batch, its minibatches (local indices, one list per
-    optimizer step) and metrics (max/mean token load over ranks, before and after).
+    optimizer step) and metrics (max/mean token load over ranks, before and after). Each row of the new batch
+    keeps its `origin`, the (DP rank, row) it was rolled out at, so logged samples can find it (trainer/samples.py).
     """
     world = dist.get_world_size(dp_group) if dist.is_initialized() else 1
     home = contiguous_minibatches(len(batch), num_minibatches)
