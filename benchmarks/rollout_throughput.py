@@ -2,6 +2,14 @@
 
     python benchmarks/rollout_throughput.py --batch 16 64 --new-tokens 128
     python benchmarks/rollout_throughput.py --engine native sglang   # in an environment with SGLang (docs/sglang.md)
+    python benchmarks/rollout_throughput.py --quantization none int8 --batch 1 16 64 --new-tokens 64
+
+`--quantization` compares quantized native engines instead (README "Quantized rollouts"): new tokens/s per batch
+(prefill included), the engine's weight memory, and the mismatch KL (mean of logp_sparse - logp_dense over
+response tokens, the trainer's `mismatch/kl`) against dense log-probs of the same tokens from an unquantized
+model in `--trainer-dtype`, computed the way the actor computes them. `int8:dequant` forces the
+dequantize-per-matmul kernel instead of torch's fused int8 one. `--kv-budget N` adds R-KV rows with the dense
+re-score split (`rollout/kv_mismatch_kl`: the compression's share of the KL).
 
 All sample at temperature 1 and ignore EOS, so every sequence produces exactly `--new-tokens` tokens and
 the two engines do the same useful work. The `eos` rows let sequences stop at EOS (capped at the same
@@ -49,6 +57,56 @@ def engine_generate(engine, prompts, new_tokens, ignore_eos):
     return sum(len(g.token_ids) for g in gens), time.perf_counter() - t0
 
 
+def quantized_run(args, tokenizer, trainer, scheme: str, kv_budget: int) -> list[list]:
+    """One engine per (scheme, KV setting): tok/s, weight MB and mismatch KL at every batch size."""
+    from sparserl.actor.logprobs import PackedSeqs, packed_logprobs
+    from sparserl.kv import KVPolicyConfig
+
+    quant, _, kernel = scheme.partition(":")
+    kv = KVPolicyConfig(algorithm="rkv", budget=kv_budget, divide_length=16, window=8, compress_prompt=True) if kv_budget else None
+    engine = NativeEngine(load_model(args.model, args.dtype), tokenizer, num_slots=max(args.batch) * 512, quantization=quant,
+                          quant_kernel=kernel or "auto", kv=kv, rescore_seqs=8 if kv_budget else 0)
+    engine_generate(engine, gsm8k_prompts(tokenizer, 2), 4, True)  # warm-up
+    name = f"{quant} ({engine.runner.quant.kernel})" if engine.runner.quant is not None else "none"
+    rows = []
+    for b in args.batch:
+        prompts = gsm8k_prompts(tokenizer, b)
+        engine.reset_stats()
+        params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
+        t0 = time.perf_counter()
+        gens = engine.generate([GenerationRequest(p, params, i) for i, p in enumerate(prompts)])
+        dt = time.perf_counter() - t0
+        n = sum(len(g.token_ids) for g in gens)
+        seqs = PackedSeqs([g.prompt_token_ids + g.token_ids for g in gens], [len(g.prompt_token_ids) for g in gens])
+        with torch.inference_mode():
+            dense, _ = packed_logprobs(trainer, seqs, next(trainer.parameters()).device)  # (b, T)
+        sparse = torch.tensor([g.logp_sparse for g in gens])  # every response has new_tokens tokens
+        diff = sparse - dense.float()
+        extra = engine.stats().extra
+        rows.append([name, f"rkv {kv_budget}" if kv_budget else "dense", b, n, n / dt, extra["rollout/weight_bytes"] / 2**20,
+                     float(diff.mean()), float(diff.abs().mean()),
+                     f"{extra['rollout/kv_mismatch_kl']:.3g}" if "rollout/kv_mismatch_kl" in extra else "-"])
+        print(rows[-1], flush=True)
+    del engine
+    return rows
+
+
+def quantization_table(args, tokenizer) -> None:
+    trainer = load_model(args.model, args.trainer_dtype)
+    print(f"machine: {machine()}\nmodel: {args.model}, rollout dtype {args.dtype}, trainer dtype {args.trainer_dtype}, "
+          f"{args.new_tokens} new tokens per sequence, temperature 1\n")
+    rows = []
+    for budget in [0] + ([args.kv_budget] if args.kv_budget else []):
+        for scheme in args.quantization:
+            rows += quantized_run(args, tokenizer, trainer, scheme, budget)
+    base = {(r[1], r[2]): r[4] for r in rows if r[0] == "none"}
+    for r in rows:
+        r.insert(5, f"{r[4] / base[(r[1], r[2])]:.2f}x" if (r[1], r[2]) in base else "-")
+    print()
+    print_table(["quantization (kernel)", "kv", "batch", "tokens", "tok/s", "vs none", "weights MiB", "mismatch KL",
+                 "mean |dlogp|", "KV share (re-score)"], rows)
+
+
 def start_sglang(model: str, dtype: str, max_batch: int, tokenizer):
     from sparserl.rollout.sglang.engine import SGLangEngine, SGLangOptions
 
@@ -68,10 +126,17 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["fixed"], choices=["fixed", "eos"])
     ap.add_argument("--engine", nargs="+", default=["native"], choices=["native", "sglang"])
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--quantization", nargs="+", default=[],
+                    help="compare native engines with these rollout.quantization values (none, int8, int8:dequant, w8a8, fp8)")
+    ap.add_argument("--trainer-dtype", default="auto", help="dtype of the dense reference log-probs (--quantization)")
+    ap.add_argument("--kv-budget", type=int, default=0, help="--quantization: also run with R-KV at this budget")
     args = ap.parse_args()
     args.dtype = precision.resolve_arg(args.dtype)
+    args.trainer_dtype = precision.resolve_arg(args.trainer_dtype)
     torch.manual_seed(0)
     tokenizer = load_tokenizer(args.model)
+    if args.quantization:
+        return quantization_table(args, tokenizer)
     model = load_model(args.model, args.dtype)
     engines = {}
     if "native" in args.engine:

@@ -94,6 +94,9 @@ class RolloutConfig:
     max_num_seqs: int = 256  # sequences decoding at once per engine
     max_batch_tokens: int = 8192  # tokens per engine forward: new prompts are prefilled while they fit
     release_weights: bool = True  # the native engine drops its weight copy while the actor trains (refilled by the sync)
+    quantization: str = "none"  # none | int8 (weight-only) | w8a8 (int8 activations too; GPU) | fp8 (GPU): the sampler's linear layers
+    quantize_lm_head: bool = False  # quantize the LM head too (embeddings and norms always stay in rollout.dtype)
+    rescore_seqs: int = 0  # measure-only: per engine and step, re-score this many sequences densely (rollout/kv_mismatch_kl)
     kv: KVConfig = field(default_factory=KVConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 

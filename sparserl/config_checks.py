@@ -95,6 +95,8 @@ RULES: dict[str, Rule] = {
     "rollout.kv_pool_tokens": NON_NEG,
     "rollout.max_num_seqs": COUNT,
     "rollout.max_batch_tokens": COUNT,
+    "rollout.quantization": one_of("none", "int8", "w8a8", "fp8"),
+    "rollout.rescore_seqs": NON_NEG,
     "rollout.kv.algorithm": one_of("none", "rkv", "snapkv", "streaming"),
     "rollout.kv.budget": COUNT,
     "rollout.kv.divide_method": one_of("step_length", "newline"),
@@ -160,8 +162,8 @@ RULES: dict[str, Rule] = {
 
 # Keys that take any value of their type: paths, field names, free text, switches.
 FREE = ("model.path", "model.activation_checkpointing", "data.train_path", "data.system_prompt", "data.shuffle",
-        "env.path", "rollout.release_weights", "rollout.kv.compress_prompt", "actor.balance_ranks",
-        "actor.fuse_old_logprobs", "algo.correction.enable", "algo.correction.is_batch_normalize",
+        "env.path", "rollout.release_weights", "rollout.quantize_lm_head", "rollout.kv.compress_prompt",
+        "actor.balance_ranks", "actor.fuse_old_logprobs", "algo.correction.enable", "algo.correction.is_batch_normalize",
         "algo.correction.apply_to_kl", "algo.correction.rejected_in_baseline", "trainer.export_hf", "eval.datasets",
         "eval.data_dir", "eval.output_dir", "logger.progress", "logger.wandb.name")
 
@@ -211,7 +213,17 @@ def _nccl_needs_cuda(cfg) -> None:
         raise UserError("parallel.backend=nccl needs parallel.device=cuda (or auto on a GPU machine); use gloo on CPU")
 
 
-CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (_kv_fits, _correction_bounds, _dual_clip_is_ppo, _nccl_needs_cuda)
+def _quantization_device(cfg) -> None:
+    # parallel.device=auto is checked again where the device is known (rollout/native/quantize.py check_scheme).
+    q = cfg.rollout.quantization
+    if q in ("w8a8", "fp8") and cfg.parallel.device == "cpu":
+        why = ("torch has no fast int8 x int8 matmul on CPU; use int8 (weight-only)" if q == "w8a8"
+               else "fp8 weights need a GPU; use int8")
+        raise UserError(f"rollout.quantization={q} is not supported with parallel.device=cpu: {why}")
+
+
+CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (_kv_fits, _correction_bounds, _dual_clip_is_ppo, _nccl_needs_cuda,
+                                                   _quantization_device)
 
 
 def check_config(cfg: Any) -> None:

@@ -23,6 +23,7 @@ def gather_step_metrics(step: int, samples: list[Sample], rollout_metrics: dict,
         "reward_sq": sum(s.reward**2 for s in samples),
         "len_sum": float(sum(len(s.response_ids) for s in samples)),
         "error": float(sum(s.status == "error" for s in samples)),
+        "timeout": float(sum(s.status == "timeout" for s in samples)),
         "truncated": float(sum(s.status == "truncated" for s in samples)),
         "retained": float(retained),
         "total": float(total),
@@ -47,6 +48,7 @@ def gather_step_metrics(step: int, samples: list[Sample], rollout_metrics: dict,
         "response/truncated_frac": g["truncated"] / n,
         "env/error_frac": g["error"] / n,
         "env/error_count": g["error"],
+        "env/timeout_frac": g["timeout"] / n,
         "kv/peak_slots": m["peak_slots"],
         "kv/peak_gb": m["peak_kv_gb"],
         "kv/retained_frac": g["retained"] / g["total"] if g["total"] else 1.0,
@@ -60,6 +62,9 @@ def gather_step_metrics(step: int, samples: list[Sample], rollout_metrics: dict,
     for key in ("score/mean", "env/turns_mean"):
         if key in rollout_metrics:
             out[key] = float(_reduce({key: rollout_metrics[key] * len(samples)}, dist.ReduceOp.SUM, dp_group, device)[key] / n)
+    if stats.extra:  # the engine's own `rollout/*` numbers (weight bytes, the re-scored KV share): mean over ranks
+        dp = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        out.update({k: v / dp for k, v in _reduce(dict(stats.extra), dist.ReduceOp.SUM, dp_group, device).items()})
     out.update(timers)
     return out
 

@@ -85,7 +85,9 @@ def build_rollout_engine(cfg: Config, model_path: str, tokenizer, device: torch.
         model = load_model(model_path, cfg.rollout.dtype, device)
         return build_engine("native", model=model, tokenizer=tokenizer, num_slots=num_slots,
                             max_num_seqs=cfg.rollout.max_num_seqs, max_batch_tokens=cfg.rollout.max_batch_tokens,
-                            seed=seed, kv=kv_policy(cfg), release_weights=cfg.rollout.release_weights)
+                            seed=seed, kv=kv_policy(cfg), release_weights=cfg.rollout.release_weights,
+                            quantization=cfg.rollout.quantization, quantize_lm_head=cfg.rollout.quantize_lm_head,
+                            rescore_seqs=cfg.rollout.rescore_seqs)
     if cfg.rollout.engine == "sglang":
         return build_engine("sglang", cfg=cfg, model_path=model_path, tokenizer=tokenizer, device=device,
                             num_slots=num_slots, seed=seed)

@@ -5,6 +5,8 @@
 generators, and retires sequences on a stop token, a stop string or `max_new_tokens`, freeing their slots
 for the next waiting ones. Left out on purpose: an async/streaming API (the trainer wants whole batches),
 prefix caching across prompts (the `n` samples of one prompt do share its prefill), speculative decoding.
+With `quantization` the linear layers hold int8 / fp8 weights, re-quantized at every weight update
+(`quantize.py`); `rescore_seqs` re-scores a few sequences densely to split the mismatch (`rescore.py`).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 
 from sparserl.kv import KVPolicyConfig
 from sparserl.rollout.engine import EngineStats, register_engine
+from sparserl.rollout.native import rescore
 from sparserl.rollout.native.compressor import Compressor
 from sparserl.rollout.native.runner import ModelRunner
 from sparserl.rollout.native.sampler import Sampler
@@ -49,11 +52,18 @@ class NativeEngine:
         eos_token_ids: Iterable[int] | None = None,
         kv: KVPolicyConfig | None = None,
         release_weights: bool = False,
+        quantization: str = "none",
+        quant_kernel: str = "auto",
+        quantize_lm_head: bool = False,
+        rescore_seqs: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         # True: sleep() also drops the weights (the actor pushes fresh ones after every update anyway).
         self.release_weights = release_weights
-        self.runner = ModelRunner(model, num_slots)
+        self.runner = ModelRunner(model, num_slots, quantization, quant_kernel, quantize_lm_head)
+        self.quantization = quantization
+        # Measure-only: sequences per generate() re-scored with a dense cache (rollout/kv_mismatch_kl).
+        self.rescore_seqs = rescore_seqs
         self.num_slots = num_slots
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
@@ -62,7 +72,7 @@ class NativeEngine:
         self.kv = kv or KVPolicyConfig()
         # None keeps a dense cache; otherwise sequences are compressed while they decode.
         self.compression = None if self.kv.algorithm == "none" else Compressor(self.kv, self.runner, max_num_seqs, tokenizer)
-        self._stats = EngineStats(pool_slots=num_slots, kv_bytes_per_slot=self.runner.bytes_per_slot)
+        self._stats = self._fresh_stats()
         self._awake = False
         self._next_seq_id = 0
         self.trace: list[StepTrace] | None = None  # set to [] to record every step of the next generate()
@@ -90,7 +100,13 @@ class NativeEngine:
         return self._stats
 
     def reset_stats(self) -> None:
-        self._stats = EngineStats(pool_slots=self.num_slots, kv_bytes_per_slot=self.runner.bytes_per_slot)
+        self._stats = self._fresh_stats()
+
+    def _fresh_stats(self) -> EngineStats:
+        r = self.runner
+        self._kv_sums = [0.0, 0]  # re-scored (sum of logp_sparse - logp_engine_dense, tokens) since the reset
+        extra = {"rollout/weight_bytes": float(r.weight_bytes), "rollout/weight_bytes_saved": float(r.float_weight_bytes - r.weight_bytes)}
+        return EngineStats(pool_slots=self.num_slots, kv_bytes_per_slot=r.bytes_per_slot, extra=extra)
 
     # ----------------------------------------------------------------- generate
     @torch.inference_mode()
@@ -109,6 +125,8 @@ class NativeEngine:
             assert len(batch), "scheduler made no progress"  # reservations are checked up front
             self._step(batch, scheduler, sampler, progress)
         self._account(seqs, scheduler, pool, time.perf_counter() - t0)
+        if self.rescore_seqs > 0:
+            self._rescore(seqs)
         return [self._to_generation(s, requests[s.request_index]) for s in seqs]
 
     def _make_sequences(self, requests: list[GenerationRequest]) -> list[Sequence]:
@@ -209,6 +227,14 @@ class NativeEngine:
         st.peak_running = max(st.peak_running, scheduler.peak_running)
         st.compressions += sum(s.compressions for s in seqs)
         st.compress_s += sum(s.compress_s for s in seqs)
+
+    def _rescore(self, seqs: list[Sequence]) -> None:
+        """Accumulate the KV-compression share of the mismatch over this step's re-scored tokens."""
+        diff, tokens = rescore.kv_share(self.runner.model, rescore.pick(seqs, self.rescore_seqs))
+        self._kv_sums[0] += diff
+        self._kv_sums[1] += tokens
+        self._stats.extra["rollout/rescored_tokens"] = float(self._kv_sums[1])
+        self._stats.extra["rollout/kv_mismatch_kl"] = self._kv_sums[0] / max(self._kv_sums[1], 1)
 
     def _to_generation(self, seq: Sequence, req: GenerationRequest) -> Generation:
         text = self.tokenizer.decode(seq.output, skip_special_tokens=True) if self.tokenizer is not None else None

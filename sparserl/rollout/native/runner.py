@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from sparserl.rollout.native.attention import ForwardContext, Span, forward_context, use_packed_attention
+from sparserl.rollout.native.quantize import QuantizedWeights, quantize_model, weights_nbytes
 from sparserl.rollout.native.scheduler import ScheduledBatch
 from sparserl.rollout.native.sequence import Sequence
 
@@ -78,9 +79,16 @@ class SlotTable:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_slots: int) -> None:
+    def __init__(self, model: torch.nn.Module, num_slots: int, quantization: str = "none", quant_kernel: str = "auto",
+                 quantize_lm_head: bool = False) -> None:
         self.model = model.eval()
         use_packed_attention(self.model)
+        # Linear layers swapped for quantized ones (rollout.quantization); None keeps the rollout dtype.
+        self.quant: QuantizedWeights | None = None
+        if quantization != "none":
+            self.quant = quantize_model(self.model, quantization, quant_kernel, quantize_lm_head)
+        self.weight_bytes = self.quant.weight_bytes if self.quant is not None else weights_nbytes(self.model)
+        self.float_weight_bytes = self.quant.float_bytes if self.quant is not None else self.weight_bytes
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(model.config)
@@ -173,19 +181,31 @@ class ModelRunner:
             if p.numel():
                 self._released[id(p)] = p.shape
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        for layer in self._quant_layers():
+            layer.release()
+
+    def _quant_layers(self) -> list:
+        return self.quant.all_layers() if self.quant is not None else []
 
     @property
     def weights_released(self) -> bool:
-        return bool(self._released)
+        return bool(self._released) or any(layer.released for layer in self._quant_layers())
 
     @torch.no_grad()
     def load_weights(self, named_tensors) -> int:
-        """Copy full tensors into the model's parameters and buffers by name; returns how many were loaded."""
+        """Copy full tensors into the model's parameters and buffers by name; returns how many were loaded.
+        A weight of a quantized layer is quantized again from the tensor that arrives (every sync)."""
         # state_dict(keep_vars=True) lists tied weights under every name they have (lm_head / embeddings).
         params = self.model.state_dict(keep_vars=True)
         n = 0
         for name, tensor in named_tensors:
+            layers = self.quant.modules.get(name, []) if self.quant is not None else []
+            for layer in layers:
+                layer.set_weight(tensor)
             target = params.get(name)
+            if target is None and layers:
+                n += 1
+                continue
             if target is None:
                 raise KeyError(f"update_weights: the rollout model has no parameter named {name!r}")
             shape = self._released.get(id(target), target.shape)

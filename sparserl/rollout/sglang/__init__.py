@@ -31,6 +31,12 @@ def check_config(cfg) -> None:
     if cfg.rollout.kv.algorithm != "none":
         raise UserError(f"rollout.kv.algorithm={cfg.rollout.kv.algorithm}: KV compression runs in the native engine only; "
                         "with rollout.engine=sglang use rollout.kv.algorithm=none (or rollout.engine=native)")
+    if cfg.rollout.quantization != "none":
+        # SGLang 0.5.23 loads update_weights_from_tensor through model.load_weights and never re-runs a quantization
+        # method's post-load step, so an online-quantized (fp8) model would not be re-quantized by a weight sync.
+        raise UserError(f"rollout.quantization={cfg.rollout.quantization}: quantized rollouts run in the native engine only "
+                        "(SGLang 0.5.23 does not re-quantize weights pushed by update_weights_from_tensor); use "
+                        "rollout.engine=native or rollout.quantization=none")
     s = cfg.rollout.sglang
     if not 0.0 < s.mem_fraction_static < 1.0:
         raise UserError(f"rollout.sglang.mem_fraction_static={s.mem_fraction_static} must be in (0, 1)")
