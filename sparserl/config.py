@@ -26,6 +26,7 @@ class ModelConfig:
     dtype: str = "float32"  # master weights and optimizer state
     compute_dtype: str = "auto"  # forward/backward (FSDP2 mixed precision); auto: bf16 where the hardware runs it fast, else fp32
     activation_checkpointing: bool = True  # recompute each layer in backward: ~4x less update memory, ~same speed on CPU (benchmarks/update_knobs.py)
+    allow_pickle_weights: bool = False  # load a local checkpoint whose weights are pickle files (.bin/.pt), not safetensors
 
 
 @dataclass
@@ -46,6 +47,8 @@ class DataConfig:
 class EnvConfig:
     path: str = "envs/arithmetic.py"  # Python file with async step(state, action, extra_info) (relative: also to the project)
     max_turns: int = 1  # turns per episode, unless the env module sets its own max_turns
+    step_timeout_s: float = 300.0  # an env step or reset past this ends its sample with status timeout; 0 = no limit
+    max_concurrency: int = 256  # env calls in flight at once per process
 
 
 @dataclass
@@ -173,6 +176,10 @@ class TrainerConfig:
     stop_after: int = 0  # stop (as if interrupted) after this many steps; 0 = off
     eval_every: int = 0  # evaluate eval.* on the rollout engine every this many steps, at step 0 and at the end; 0 = off
     log_samples: int = 4  # sequences per step written token by token to samples/step_N.jsonl (and wandb); 0 = off
+    keep_last: int = 0  # complete checkpoints kept (older ones removed after each save); 0 = all
+    max_skipped_steps: int = 3  # stop after this many optimizer steps in a row skipped for a non-finite loss / grad norm
+    # Signals that end the run gracefully: finish the step, save, exit 75 (sparserl/trainer/faults.py).
+    preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
 
 
 @dataclass

@@ -84,6 +84,8 @@ RULES: dict[str, Rule] = {
     "data.num_generated": COUNT,
     "data.max_prompt_tokens": COUNT,
     "env.max_turns": COUNT,
+    "env.step_timeout_s": NON_NEG,
+    "env.max_concurrency": COUNT,
     "rollout.engine": one_of("native", "sglang"),
     "rollout.n": COUNT,
     "rollout.max_new_tokens": COUNT,
@@ -149,6 +151,9 @@ RULES: dict[str, Rule] = {
     "trainer.stop_after": NON_NEG,
     "trainer.eval_every": NON_NEG,
     "trainer.log_samples": within("[0, 64]"),
+    "trainer.keep_last": NON_NEG,
+    "trainer.max_skipped_steps": COUNT,
+    "trainer.preempt_signals": each(one_of("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")),
     "eval.n": COUNT,
     "eval.k": each(COUNT, min_len=1),
     "eval.temperature": NON_NEG,
@@ -161,7 +166,7 @@ RULES: dict[str, Rule] = {
 }
 
 # Keys that take any value of their type: paths, field names, free text, switches.
-FREE = ("model.path", "model.activation_checkpointing", "data.train_path", "data.system_prompt", "data.shuffle",
+FREE = ("model.path", "model.activation_checkpointing", "model.allow_pickle_weights", "data.train_path", "data.system_prompt", "data.shuffle",
         "env.path", "rollout.release_weights", "rollout.quantize_lm_head", "rollout.kv.compress_prompt",
         "actor.balance_ranks", "actor.fuse_old_logprobs", "algo.correction.enable", "algo.correction.is_batch_normalize",
         "algo.correction.apply_to_kl", "algo.correction.rejected_in_baseline", "trainer.export_hf", "eval.datasets",

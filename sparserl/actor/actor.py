@@ -80,6 +80,8 @@ class Actor:
         self.dp_size = mesh["dp"].size()
         self.dp_group = mesh["dp"].get_group()
         self.optimizer = self.scheduler = None
+        self.consecutive_skips = 0  # optimizer steps skipped in a row by the non-finite guard (_step)
+        self._bad_loss = torch.zeros((), dtype=torch.bool, device=device)
         if trainable:
             self.model.train()
             self.optimizer = build_optimizer(self.model.parameters(), lr, betas, weight_decay)
@@ -131,16 +133,21 @@ class Actor:
         if minibatches is None:
             minibatches = contiguous_minibatches(len(batch), num_minibatches)
         num_minibatches = len(minibatches)
+        skipped = 0
         for _ in range(epochs):
             for index in minibatches:
                 for key, v in self.accumulate_gradients(batch, loss_fn, index, with_entropy).items():
                     sums[key] = sums.get(key, 0.0) + v
                     counts[key] = counts.get(key, 0) + 1
-                grad_norms.append(self._step())
+                norm, applied = self._step()
+                if applied:
+                    grad_norms.append(norm)
+                skipped += not applied
         steps = num_minibatches * epochs
         metrics = {k: (v / steps if k in _SUMMED else v / counts[k]) for k, v in sums.items()}
         metrics = self._mean_over_ranks(metrics, counts)
-        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        metrics["actor/skipped_steps"] = float(skipped)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
@@ -156,6 +163,7 @@ class Actor:
                 if mb:
                     idx = torch.tensor(mb, dtype=torch.long, device=self.device)
                     loss, metrics = loss_fn(logp, ent, batch, idx, norm)
+                    self._bad_loss |= ~torch.isfinite(loss.detach())  # read at the optimizer step, no sync here
                     computed += 1
                     for key, v in metrics.items():
                         out[key] = out.get(key, 0.0) + float(v)
@@ -180,14 +188,29 @@ class Actor:
         all_reduce_sum(t, self.dp_group)
         return Normalizer(tokens=float(t[0]), seqs=float(t[1]))
 
-    def _step(self) -> float:
+    def _step(self) -> tuple[float, bool]:
+        """Clip and apply the accumulated gradients; returns (global grad norm, applied).
+
+        Non-finite guard: when the loss of any micro-batch on any DP rank, or the global gradient norm, is not
+        finite, no rank steps the optimizer or the LR schedule (the decision is the same everywhere: the
+        flags are all-reduced and the norm is global), the gradients are dropped and
+        `consecutive_skips` counts it for the trainer's `trainer.max_skipped_steps`."""
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
+        flags = torch.stack([self._bad_loss.to(self.device, torch.float32),
+                             (~torch.isfinite(norm.detach())).to(self.device, torch.float32)])
+        bad = bool(all_reduce_max(flags, self.dp_group).any())
+        self._bad_loss = torch.zeros((), dtype=torch.bool, device=self.device)
+        if bad:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.consecutive_skips += 1
+            return float(norm), False
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return float(norm)
+        self.consecutive_skips = 0
+        return float(norm), True
 
     def _mean_over_ranks(self, metrics: dict[str, float], counts: dict[str, int]) -> dict[str, float]:
         keys = sorted(_SUMMED | set(counts))

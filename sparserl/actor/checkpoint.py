@@ -1,12 +1,28 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP), and resume.
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): crash-safe saves, safe loads, elastic resume.
 
-`output_dir/checkpoints/step_<N>/` holds the DCP shards of model + optimizer, `trainer_rank<r>.pt` with each
-rank's LR-scheduler, data position and RNG state, and `COMPLETE` once every rank has written. A folder
-without `COMPLETE` (an interrupted save) is ignored by `resume=auto` and replaced by the next save.
-Left out on purpose: keeping only the last k checkpoints, async saves.
+Layout: `output_dir/checkpoints/step_<N>/` holds the DCP shards of model + optimizer, `trainer_state.pt` (the
+step, LR scheduler and data position: the same on every rank, written by rank 0) and `COMPLETE`.
+
+Crash safety. A save goes to `checkpoints/.step_<N>.tmp/`; once every rank has written and `COMPLETE` is in
+it, rank 0 renames it into place. A re-save of an existing step first renames the old folder aside, so a
+complete checkpoint of any step exists at every moment; a folder without `COMPLETE`, or a hidden `.tmp` /
+`.old` folder, is never resumed from and is swept by the next save. `keep_last` (`trainer.keep_last`) prunes
+older complete checkpoints only after the new one is in place.
+
+Elastic resume. Nothing in a checkpoint depends on the number of processes: DCP reshards model and optimizer
+onto any mesh, `trainer_state.pt` is one file, and the random streams are re-derived from (seed, step) at
+every step instead of being saved (sparserl/utils/seed.py `seed_step`).
+
+Safe loading. `trainer_state.pt` is read with `torch.load(weights_only=True)`: only tensors, numbers,
+strings and containers of them load; a file that would unpickle anything else (which can run code) is
+refused with a one-line error.
+
+Left out on purpose: async saves, and checkpoints on storage other than a filesystem shared by all ranks.
 """
 from __future__ import annotations
 
+import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -15,7 +31,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from sparserl.utils.errors import UserError
+from sparserl.utils.errors import UserError, one_line
+
+STATE_FILE = "trainer_state.pt"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def _barrier() -> None:
@@ -27,24 +46,59 @@ def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / "checkpoints" / f"step_{step:06d}"
 
 
-def save(output_dir: str | Path, step: int, model, optimizer, extra: dict, rank: int) -> Path:
-    path = checkpoint_dir(output_dir, step)
-    if rank == 0 and path.exists():
-        shutil.rmtree(path)
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints (a `step_N` folder with `COMPLETE`), oldest first."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / "COMPLETE").exists()]
+    return [p for _, p in sorted(found)]
+
+
+def _sweep(root: Path, keep: Path | None = None) -> None:
+    """Remove leftovers of interrupted saves: hidden temporary folders and incomplete step folders."""
+    for p in root.iterdir():
+        if p == keep:
+            continue
+        hidden = p.name.startswith(".step_")
+        incomplete = _STEP_DIR.match(p.name) and not (p / "COMPLETE").exists()
+        if p.is_dir() and (hidden or incomplete):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def save(output_dir: str | Path, step: int, model, optimizer, state: dict, rank: int, keep_last: int = 0) -> Path:
+    """Write a checkpoint of `step` (a collective: every rank calls it); returns its folder.
+
+    `state` (plain data: numbers, strings, tensors) is rank 0's and is written once. With `keep_last` > 0 only
+    that many complete checkpoints remain afterwards, the new one included."""
+    final = checkpoint_dir(output_dir, step)
+    root = final.parent
+    tmp = root / f".{final.name}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        _sweep(root)
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    torch.save(extra, path / f"trainer_rank{rank}.pt")
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    if rank == 0:
+        torch.save(state, tmp / STATE_FILE)
     _barrier()
     if rank == 0:
-        (path / "COMPLETE").write_text(str(step))
+        (tmp / "COMPLETE").write_text(str(step))
+        old = root / f".{final.name}.old"
+        if final.exists():  # a re-save of this step: the complete old one stays until the new one is in place
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        if keep_last > 0:
+            for p in complete_checkpoints(output_dir)[:-keep_last]:
+                shutil.rmtree(p, ignore_errors=True)
     _barrier()
-    return path
+    return final
 
 
 def latest(output_dir: str | Path) -> Path | None:
-    root = Path(output_dir) / "checkpoints"
-    done = sorted(p for p in root.glob("step_*") if (p / "COMPLETE").exists()) if root.exists() else []
+    done = complete_checkpoints(output_dir)
     return done[-1] if done else None
 
 
@@ -59,12 +113,25 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
     return p
 
 
-def load(path: Path, model, optimizer, rank: int) -> dict:
+def read_state(path: Path) -> dict:
+    """`trainer_state.pt` of a checkpoint, loaded with weights_only=True; anything else is a UserError."""
+    state_file = path / STATE_FILE
+    if not state_file.exists():
+        raise UserError(f"{path} has no {STATE_FILE}: not a checkpoint of this version of sparserl")
+    try:
+        return torch.load(state_file, weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, EOFError) as e:
+        raise UserError(f"refusing to load {state_file}: it holds more than plain tensors, numbers and strings "
+                        f"(loading it could run code) or is damaged: {one_line(e)[:200]}") from None
+
+
+def load(path: Path, model, optimizer) -> dict:
+    """Load model + optimizer (resharded onto this run's mesh, whatever the saving world size) and return
+    the trainer state. The trainer state is read first, so an unsafe checkpoint is refused before any shard
+    is touched."""
+    state = read_state(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extra_file = path / f"trainer_rank{rank}.pt"
-    if not extra_file.exists():
-        raise UserError(f"{path} has no {extra_file.name}: it was saved with a different number of processes")
-    return torch.load(extra_file, weights_only=False)
+    shards = {"model": model_sd, "optim": optim_sd}
+    dcp.load(shards, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"])
+    return state

@@ -97,7 +97,8 @@ def evaluate(engine, tokenizer, cfg: Config, sets: list[EvalSet], texts: list[li
             with progress(len(rows) * params.n, f"eval {s.name}", rank, cfg.logger.progress,
                           lines_every_s=30.0) as bar:
                 samples, _ = rollout(_Progress(engine, bar), tokenizer, s.env, rows, prompts, params,
-                                     seed_indices=[r.index for r in rows])
+                                     seed_indices=[r.index for r in rows], step_timeout_s=cfg.env.step_timeout_s,
+                                     max_concurrency=cfg.env.max_concurrency)
             # Samples come in prompt order, `n` per prompt, in sample order (worker contract).
             local = [_record(s.name, rows[j // params.n], prompts[j // params.n], sample, j % params.n, tokenizer, s.env)
                      for j, sample in enumerate(samples)]

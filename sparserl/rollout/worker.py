@@ -12,8 +12,8 @@ observations; text is decoded only to hand the env its `action`. Per turn:
 
 Rewards: a trajectory's reward is the sum of its step rewards, its score the last step's score (default:
 its reward). A step that raises, returns a malformed result, or a `next_state` that does not extend
-`state + action`, ends the trajectory with reward 0, score 0 and status "error"; the rest go on and one
-warning line per distinct error is logged. A turn cut by `max_new_tokens` or the context is still scored
+`state + action`, ends the trajectory with reward 0, score 0 and status "error" ("timeout" for a call past
+`env.step_timeout_s`); the rest go on and one warning line per distinct error is logged. A turn cut by `max_new_tokens` or the context is still scored
 by the env (status "truncated") but not continued. An aborted generation is not scored (reward 0).
 
 Left out on purpose: splitting a trajectory whose `next_state` rewrites history into several sequences,
@@ -47,7 +47,7 @@ class Sample:
     logp_sparse: list[float] = field(default_factory=list)  # sampler log-probs; 0.0 at env tokens
     reward: float = 0.0
     score: float = 0.0
-    status: str = "ok"  # ok | truncated | error | aborted
+    status: str = "ok"  # ok | truncated | error | timeout | aborted
     num_turns: int = 0
     finish_reason: str = ""
     kv: list[KVStats] = field(default_factory=list)
@@ -79,9 +79,37 @@ def _check_step_result(result: Any) -> dict[str, Any]:
     return result
 
 
-async def _step(env, state: str, action: str, extra_info: dict) -> dict[str, Any] | BaseException:
+class EnvTimeout(Exception):
+    """An env call that did not return within `env.step_timeout_s`."""
+
+
+class _EnvCalls:
+    """Env calls under a time limit and a cap on how many run at once (`env.step_timeout_s`, `env.max_concurrency`).
+
+    A call past its limit is cancelled and its sample ends with status "timeout". Only awaiting calls can be
+    cancelled: an env that blocks the event loop (sleeps or computes without awaiting) must move that work to
+    a thread (`asyncio.to_thread`) for the limit to apply."""
+
+    def __init__(self, timeout_s: float | None, max_concurrency: int | None) -> None:
+        self.timeout_s = timeout_s if timeout_s and timeout_s > 0 else None
+        self.gate = asyncio.Semaphore(max_concurrency) if max_concurrency and max_concurrency > 0 else None
+
+    async def __call__(self, what: str, coro):
+        if self.gate is None:
+            return await self._timed(what, coro)
+        async with self.gate:
+            return await self._timed(what, coro)
+
+    async def _timed(self, what: str, coro):
+        try:
+            return await asyncio.wait_for(coro, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise EnvTimeout(f"env.{what} did not return within env.step_timeout_s={self.timeout_s:g}") from None
+
+
+async def _step(calls: _EnvCalls, env, state: str, action: str, extra_info: dict) -> dict[str, Any] | BaseException:
     try:
-        return _check_step_result(await env.step(state, action, extra_info))
+        return _check_step_result(await calls("step", env.step(state, action, extra_info)))
     except Exception as e:  # noqa: BLE001 - an env bug costs one sample, not the run
         return e
 
@@ -159,16 +187,24 @@ async def rollout_async(
     max_turns: int | None = None,
     max_total_tokens: int | None = None,
     seed_indices: list[int] | None = None,
+    step_timeout_s: float | None = None,
+    max_concurrency: int | None = None,
 ) -> tuple[list[Sample], dict[str, float]]:
     if len(rows) != len(prompt_texts):
         raise ValueError(f"{len(rows)} rows but {len(prompt_texts)} prompt texts")
     if seed_indices is not None and len(seed_indices) != len(rows):
         raise ValueError(f"{len(rows)} rows but {len(seed_indices)} seed indices")
     max_turns = max_turns or getattr(env, "max_turns", None) or 1
+    calls = _EnvCalls(step_timeout_s, max_concurrency)
     reset = getattr(env, "reset", None)
     if reset is not None:  # once per prompt: all n samples of a group start from the same state
-        starts = await asyncio.gather(*(reset(copy.deepcopy(_extra(r))) for r in rows))
-        prompt_texts = [t if s is None else s for t, s in zip(prompt_texts, starts)]
+        starts = await asyncio.gather(*(calls("reset", reset(copy.deepcopy(_extra(r)))) for r in rows), return_exceptions=True)
+        failed_resets = {g: e for g, e in enumerate(starts) if isinstance(e, BaseException)}
+        for e in {f"{type(e).__name__}: {e}" for e in failed_resets.values()}:
+            log.warning("env.reset failed: %s", e[:300])
+        prompt_texts = [t if s is None or isinstance(s, BaseException) else s for t, s in zip(prompt_texts, starts)]
+    else:
+        failed_resets = {}
 
     lives: list[_Live] = []
     requests: list[GenerationRequest] = []
@@ -177,6 +213,10 @@ async def rollout_async(
         budget = params.max_new_tokens if max_total_tokens is None else min(params.max_new_tokens, max_total_tokens - len(ids))
         group = [_Live(Sample(group=g, prompt_ids=ids, extra_info=copy.deepcopy(_extra(row))), text, k) for k in range(params.n)]
         lives += group
+        if g in failed_resets:  # the episode never started: no generation, reward 0
+            for lv in group:
+                _fail(lv, "timeout" if isinstance(failed_resets[g], EnvTimeout) else "error")
+            continue
         if budget <= 0:  # the prompt alone fills the context
             for lv in group:
                 lv.sample.finish_reason = "length"
@@ -197,7 +237,7 @@ async def rollout_async(
             if gen.finish_reason == "abort":
                 _fail(lv, "aborted")
         actions = [tokenizer.decode(gen.token_ids, skip_special_tokens=True) for _, gen in scored]
-        results = await asyncio.gather(*(_step(env, lv.state, a, lv.sample.extra_info) for (lv, _), a in zip(scored, actions)))
+        results = await asyncio.gather(*(_step(calls, env, lv.state, a, lv.sample.extra_info) for (lv, _), a in zip(scored, actions)))
 
         errors: Counter[str] = Counter()
         going_on: list[_Live] = []
@@ -207,7 +247,7 @@ async def rollout_async(
                     going_on.append(lv)
             except Exception as e:  # noqa: BLE001 - an env bug costs one sample, not the run
                 errors[f"{type(e).__name__}: {e}"] += 1
-                _fail(lv, "error")
+                _fail(lv, "timeout" if isinstance(e, EnvTimeout) else "error")
         for message, count in errors.items():
             log.warning("env.step failed on %d sample(s) at turn %d: %s", count, turn, message[:300])
 
@@ -244,13 +284,16 @@ def rollout(
     max_turns: int | None = None,
     max_total_tokens: int | None = None,
     seed_indices: list[int] | None = None,
+    step_timeout_s: float | None = None,
+    max_concurrency: int | None = None,
 ) -> tuple[list[Sample], dict[str, float]]:
     """Roll out this rank's prompts (`params.n` samples each) through `env`; see the module docstring.
     `max_turns=None` takes the env's `max_turns` (or 1). `seed_indices` (one per row) key each prompt's
     sampling streams instead of its position here, so a prompt draws the same samples however the prompts
-    are split across ranks. Runs its own event loop; inside a running loop await `rollout_async` instead."""
+    are split across ranks. `step_timeout_s` and `max_concurrency` bound the env calls (`_EnvCalls`). Runs its
+    own event loop; inside a running loop await `rollout_async` instead."""
     return asyncio.run(rollout_async(engine, tokenizer, env, rows, prompt_texts, params, max_turns, max_total_tokens,
-                                     seed_indices))
+                                     seed_indices, step_timeout_s, max_concurrency))
 
 
 def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
@@ -267,6 +310,7 @@ def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
         "score/mean": sum(s.score for s in samples) / n,
         "env/error_frac": frac("error"),
         "env/aborted_frac": frac("aborted"),
+        "env/timeout_frac": frac("timeout"),
         "env/turns_mean": sum(s.num_turns for s in samples) / n,
         "response/len_mean": sum(lens) / n,
         "response/len_max": float(max(lens)),

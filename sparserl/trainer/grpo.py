@@ -40,16 +40,19 @@ def train(cfg: Config) -> None:
     from sparserl.rollout.weight_sync import sync_weights
     from sparserl.rollout.worker import rollout
     from sparserl.trainer import setup as S
+    from sparserl.trainer.faults import PREEMPTED_EXIT_CODE, Preemption, check_skips, injected_nan
     from sparserl.trainer.batch import (FusedOldLogprobLoss, apply_correction, balance_ranks, correction_config,
                                         fused_old_logprobs, loss_config, make_loss_fn, set_advantages, to_train_batch)
     from sparserl.trainer.metrics import gather_step_metrics
     from sparserl.trainer.samples import SampleLog
     from sparserl.utils.logging import log0, progress
     from sparserl.utils.memory import PhasePeaks, release_free_memory
-    from sparserl.utils.seed import rng_state, set_rng_state, set_seed
+    from sparserl.utils.errors import RunStopped
+    from sparserl.utils.seed import seed_step, set_seed
     from sparserl.utils.timers import Timers
 
     info, dims, mesh = S.start_processes(cfg)
+    preemption = Preemption(cfg.trainer.preempt_signals, info.device)  # from here on a signal ends the run after a step
     set_seed(cfg.trainer.seed, info.rank)
     tokenizer = S.load_tokenizer(inputs.model_path)
     rows, prompts, max_prompt = S.filter_long_prompts(cfg, inputs.rows, S.format_prompts(cfg, inputs.rows, tokenizer), tokenizer)
@@ -61,13 +64,14 @@ def train(cfg: Config) -> None:
                                     S.pool_slots(cfg, max_prompt, cfg.trainer.prompts_per_step // dims.dp), cfg.trainer.seed)
     start = 0
     resume_from = checkpoint.resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
-    if resume_from is not None:
-        extra = checkpoint.load(resume_from, actor.model, actor.optimizer, info.rank)
-        actor.scheduler.load_state_dict(extra["scheduler"])
-        sampler.load_state_dict(extra["sampler"])
-        set_rng_state(extra["rng"])
-        start = extra["step"]
-        log0(f"resumed from {resume_from} at step {start}")
+    if resume_from is not None:  # any number of processes: nothing saved depends on it (actor/checkpoint.py)
+        state = checkpoint.load(resume_from, actor.model, actor.optimizer)
+        actor.scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        start = state["step"]
+        saved_with = state.get("world_size", info.world_size)
+        log0(f"resumed from {resume_from} at step {start}" +
+             (f" (saved with {saved_with} processes, now {info.world_size})" if saved_with != info.world_size else ""))
     logger = S.open_output(cfg, info.rank, tokenizer)
     logger.truncate_after(start if start else -1)  # a fresh run also drops an old run's step-0 eval row
     sample_log = SampleLog(cfg.trainer.output_dir, cfg.trainer.log_samples, info.rank, correction_config(cfg.algo),
@@ -82,9 +86,16 @@ def train(cfg: Config) -> None:
     log0("old log-probs: from the update's own forward (one update per rollout)" if fused else
          f"old log-probs: a separate forward pass ({why_not})")
     timers = Timers(memory=PhasePeaks(info.device))
+    dp_rank, share = mesh["dp"].get_local_rank(), cfg.trainer.prompts_per_step // dims.dp
+
+    def save(step: int) -> None:
+        state = {"step": step, "scheduler": actor.scheduler.state_dict(), "sampler": sampler.state_dict(),
+                 "world_size": info.world_size, "tp": dims.tp}
+        checkpoint.save(cfg.trainer.output_dir, step, actor.model, actor.optimizer, state, info.rank, cfg.trainer.keep_last)
 
     for step in range(start + 1, cfg.trainer.total_steps + 1):
         t_step = time.perf_counter()
+        seed_step(cfg.trainer.seed, step, info.rank)
         batch_idx = sampler.next()
         step_rows = [rows[i] for i in batch_idx.local_indices]
         texts = [prompts[i] for i in batch_idx.local_indices]
@@ -92,11 +103,14 @@ def train(cfg: Config) -> None:
         # 1-3: rollout with fresh weights, then give the KV memory back for training.
         engine.wake()
         engine.reset_stats()
-        # Keyed by the DP rank: the TP ranks of one group must draw the same samples.
-        engine.seed = cfg.trainer.seed * 1_000_003 + step * 7_919 + mesh["dp"].get_local_rank()
+        # Each prompt's samples are keyed by (seed, step, its place in the global batch): the same whatever the
+        # number of processes (elastic resume) and on the TP ranks of one group.
+        engine.seed = cfg.trainer.seed * 1_000_003 + step * 7_919
         with timers("rollout"), progress(len(step_rows) * params.n, f"rollout {step}", info.rank, cfg.logger.progress) as bar:
             samples, rollout_metrics = rollout(_Progress(engine, bar), tokenizer, inputs.env, step_rows, texts, params,
-                                               max_turns=cfg.env.max_turns)
+                                               max_turns=cfg.env.max_turns,
+                                               seed_indices=[dp_rank * share + j for j in range(len(step_rows))],
+                                               step_timeout_s=cfg.env.step_timeout_s, max_concurrency=cfg.env.max_concurrency)
         engine.sleep()
         release_free_memory()
 
@@ -113,6 +127,8 @@ def train(cfg: Config) -> None:
         # 5-6: sparse/dense mismatch correction (inside the update on the single-update path), then advantages.
         rejected, correction_metrics = apply_correction(cfg.algo, batch, actor.dp_group) if not fused else (None, {})
         adv_metrics = set_advantages(cfg.algo, batch, samples, params.n, rejected, loss_cfg)
+        if injected_nan(step, info.rank):  # SPARSERL_FAULT drill (trainer/faults.py)
+            batch.advantages.fill_(float("nan"))
 
         # 7: the update (sequences first spread so every DP rank trains on the same number of tokens), then
         # fresh weights into the engine.
@@ -140,9 +156,15 @@ def train(cfg: Config) -> None:
         last = step == cfg.trainer.total_steps or step == cfg.trainer.stop_after
         metrics.update(evals.maybe(step, last))
         logger.log(step, metrics)
-        if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or last:
-            extra = {"step": step, "scheduler": actor.scheduler.state_dict(), "sampler": sampler.state_dict(), "rng": rng_state()}
-            checkpoint.save(cfg.trainer.output_dir, step, actor.model, actor.optimizer, extra, info.rank)
+        check_skips(actor.consecutive_skips, cfg.trainer.max_skipped_steps, step, cfg.trainer.output_dir)
+        preempted = preemption.requested()  # a collective: every rank learns whether any rank was signalled
+        if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or last or preempted:
+            save(step)
+        if preempted and not last:
+            logger.close()
+            raise RunStopped(f"preempted ({preemption.signalled or 'signal on another rank'}) during step {step}: "
+                             f"saved {checkpoint.checkpoint_dir(cfg.trainer.output_dir, step)}; "
+                             "continue with trainer.resume=auto", exit_code=PREEMPTED_EXIT_CODE)
         if step == cfg.trainer.stop_after:
             log0(f"stopping after step {step} (trainer.stop_after)")
             break

@@ -3,7 +3,8 @@
 `validate_inputs` runs on every rank right after the config loaded (`config_checks` has range-checked its
 values by then): the SGLang settings, `trainer.output_dir` (a folder this process can write, or can create;
 it is not created here), `trainer.resume`, the env module, every data row, the eval sets of
-`trainer.eval_every`, and last the model path (the one check that imports torch). Each failure is a
+`trainer.eval_every`, and last the model path (the one check that imports torch): safetensors weights (pickle
+files only with `model.allow_pickle_weights=true`) and free disk for one checkpoint in `trainer.output_dir`. Each failure is a
 `UserError` naming the key or the file and row.
 
 Left out on purpose: checks that need the model or the world (tensor-parallel divisibility, the chat
@@ -56,7 +57,56 @@ def validate_inputs(cfg: Config) -> Inputs:
     eval_sets = load_eval_sets(cfg.eval) if cfg.trainer.eval_every > 0 else []
     from sparserl.actor.hf import resolve_model_path  # imports torch, so it comes last
 
-    return Inputs(env=env, rows=rows, model_path=resolve_model_path(cfg.model.path), eval_sets=eval_sets)
+    model_path = resolve_model_path(cfg.model.path)
+    check_weight_files(model_path, cfg.model.allow_pickle_weights)
+    check_free_disk(cfg.trainer.output_dir, model_path)
+    return Inputs(env=env, rows=rows, model_path=model_path, eval_sets=eval_sets)
+
+
+def check_weight_files(model_path: str, allow_pickle: bool) -> None:
+    """A local checkpoint must hold safetensors weights: pickle files can run code when loaded."""
+    folder = Path(model_path)
+    if allow_pickle or not folder.is_dir() or any(folder.glob("*.safetensors")):
+        return
+    pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl", ".ckpt"))
+    if pickled:
+        raise UserError(f"model.path={model_path}: its weights are pickle files ({', '.join(pickled[:3])}), which can run "
+                        "code when loaded; convert them to safetensors, or set model.allow_pickle_weights=true if you "
+                        "trust their source")
+
+
+# A checkpoint holds fp32 weights plus AdamW's two fp32 moments per parameter.
+_CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+def checkpoint_bytes(model_path: str) -> int:
+    """About what one checkpoint of this model takes on disk (0 when the model is not a local folder)."""
+    import json
+
+    folder = Path(model_path)
+    files = list(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return 0
+    try:
+        dtype = json.loads((folder / "config.json").read_text()).get("torch_dtype") or "float32"
+    except (OSError, ValueError, AttributeError):
+        dtype = "float32"
+    bytes_per_param = 2 if dtype in ("bfloat16", "float16") else 8 if dtype == "float64" else 4
+    return sum(f.stat().st_size for f in files) // bytes_per_param * _CHECKPOINT_BYTES_PER_PARAM
+
+
+def check_free_disk(output_dir: str, model_path: str, key: str = "trainer.output_dir") -> None:
+    """Refuse to start when the output folder's disk cannot hold one checkpoint."""
+    import shutil
+
+    need = checkpoint_bytes(model_path)
+    existing = Path(output_dir).expanduser().absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if need and free < need:
+        raise UserError(f"{key}={output_dir}: {free / 2**30:.2f} GiB free on its disk, but one checkpoint of this model "
+                        f"takes about {need / 2**30:.2f} GiB (weights and optimizer state); free space or choose another {key}")
 
 
 def check_output_dir(path: str, key: str = "trainer.output_dir") -> None:

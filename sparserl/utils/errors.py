@@ -1,8 +1,9 @@
 """User-facing errors and the entry-point wrapper that reports them.
 
 A `UserError` is a mistake the user can fix (a misspelled key, a missing file, a bad row); the entry point
-prints it as one line `error: <message>` on stderr and exits with code 2, without a traceback. Anything
-else is a bug and keeps its traceback.
+prints it as one line `error: <message>` on stderr and exits with code 2, without a traceback. A `RunStopped`
+(the run ended itself on purpose) is one line `stopped: <message>`, with its own exit code (3, or 75 when
+preempted). Anything else is a bug and keeps its traceback.
 
 Left out on purpose: error codes, exception hierarchies per subsystem, and gathering errors across ranks.
 Every rank that fails prints its own line, since an error local to one rank (a file missing on one node)
@@ -14,10 +15,20 @@ import sys
 from typing import Callable, NoReturn
 
 USER_ERROR_EXIT_CODE = 2
+RUN_STOPPED_EXIT_CODE = 3
 
 
 class UserError(Exception):
     """A problem with the user's config, data or files; the message names the offending key, file or row."""
+
+
+class RunStopped(Exception):
+    """The run stopped itself on purpose: one line on stderr and `exit_code` (3: too many non-finite steps in
+    a row; 75: preempted after saving, sparserl/trainer/faults.py)."""
+
+    def __init__(self, message: str, exit_code: int = RUN_STOPPED_EXIT_CODE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
@@ -72,4 +83,8 @@ def run_main(fn: Callable[[], None]) -> None:
         fn()
     except _user_error_types() as exc:
         _exit_with_user_error(exc)
+    except RunStopped as exc:
+        print(f"stopped: {one_line(exc)}", file=sys.stderr, flush=True)
+        _teardown_distributed()
+        sys.exit(exc.exit_code)
     _teardown_distributed()

@@ -5,6 +5,10 @@ samples, and a run is reproducible for a fixed world size. Anything that must be
 (initial weights, the prompt order) must not rely on the global generators: weights are loaded from a
 checkpoint, and data order uses its own generator seeded with `seed` alone.
 
+`seed_step(seed, step, rank)` re-seeds them at the start of every training step from (seed, step, rank)
+alone: a resumed run, on any number of processes, continues the same streams without saving any
+generator state (sparserl/actor/checkpoint.py).
+
 `rng_state()` returns only tensors, ints, floats, strings and tuples, so `torch.save` stores it and
 `torch.load(weights_only=True)` reads it back.
 
@@ -32,6 +36,11 @@ def set_seed(seed: int, rank: int = 0) -> int:
         np.random.seed(effective % 2**32)
     torch.manual_seed(effective)  # also seeds all CUDA devices
     return effective
+
+
+def seed_step(seed: int, step: int, rank: int = 0) -> int:
+    """Seed every generator for training step `step` of a run seeded with `seed` (see the module docstring)."""
+    return set_seed(int(seed) * 1_000_003 + int(step) * 7_919, rank)
 
 
 def rng_state() -> dict[str, Any]:

@@ -84,7 +84,8 @@ def run_model(out: str, root: str, dp: int, tp: int, families: list[str]) -> Non
             res["grads"][agg] = {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
             if agg == "token":
                 actor.optimizer.zero_grad(set_to_none=True)
-        res["grad_norm"] = actor._step()  # clip_grad_norm_ + an optimizer step over (dp, tp) parameters
+        res["grad_norm"], applied = actor._step()  # clip_grad_norm_ + an optimizer step over (dp, tp) parameters
+        assert applied
         everyone = gather((res["logp"][0], list(seen["widths"]), seen["dense_calls"]))
         res["logp"] = [e[0] for e in everyone]
         res["widths"] = [w for e in everyone for w in e[1]]

@@ -27,8 +27,8 @@ def write_data(path: Path, rows) -> Path:
     return path
 
 
-def trainer(args, nproc=1, cwd=None, timeout=600):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0"}
+def trainer(args, nproc=1, cwd=None, timeout=600, extra_env=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0", **(extra_env or {})}
     if nproc == 1:
         cmd = [sys.executable, "-m", "sparserl.trainer.grpo", *args]
     else:

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from sparserl.config import Config
@@ -156,6 +157,11 @@ CASES = [
     ("trainer.stop_after", ["trainer.stop_after=-1"], "trainer.stop_after=-1"),
     ("trainer.eval_every", ["trainer.eval_every=-1"], "trainer.eval_every=-1"),
     ("trainer.log_samples", ["trainer.log_samples=65"], "trainer.log_samples=65: must be in [0, 64]"),
+    ("trainer.keep_last", ["trainer.keep_last=-1"], "trainer.keep_last=-1"),
+    ("trainer.max_skipped_steps", ["trainer.max_skipped_steps=0"], "trainer.max_skipped_steps=0"),
+    ("trainer.preempt_signals", ["trainer.preempt_signals=[SIGKILL]"], 'trainer.preempt_signals=["SIGKILL"]: must be a list, each one of SIGTERM'),
+    ("env.step_timeout_s", ["env.step_timeout_s=-1"], "env.step_timeout_s=-1.0"),
+    ("env.max_concurrency", ["env.max_concurrency=0"], "env.max_concurrency=0"),
     ("eval.n", ["eval.n=0"], "eval.n=0"),
     ("eval.k", ["eval.k=[0]"], "eval.k=[0]"),
     ("eval.temperature", ["eval.temperature=-1"], "eval.temperature=-1.0"),
@@ -323,3 +329,29 @@ def test_listed_names_match_their_registries():
     assert names("logger.wandb.mode") == set(WANDB_MODES)
     assert names("data.answer_extract") == set(ANSWER_EXTRACTORS)
     assert names("data.apply_chat_template") == set(CHAT_TEMPLATE_MODES)
+
+
+def test_pickle_weights_need_opt_in_and_a_full_disk_is_refused(tmp_path):
+    """Preflight: a model folder with only pickle weights is refused unless allowed; an output folder whose disk
+    cannot hold one checkpoint (a sparse 8 TB weight file stands in for a huge model) is refused."""
+    from sparserl.trainer.preflight import check_free_disk, check_weight_files, checkpoint_bytes
+    from sparserl.utils.errors import UserError
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    torch.save({"w": torch.zeros(2)}, pickled / "pytorch_model.bin")
+    with pytest.raises(UserError, match=r"pickle files \(pytorch_model.bin\), which can run code.*model.allow_pickle_weights=true"):
+        check_weight_files(str(pickled), allow_pickle=False)
+    check_weight_files(str(pickled), allow_pickle=True)
+
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    (huge / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    with open(huge / "model.safetensors", "wb") as f:
+        f.truncate(8 * 2**40)  # sparse: takes no space
+    assert checkpoint_bytes(str(huge)) == 8 * 2**40 // 2 * 12
+    check_weight_files(str(huge), allow_pickle=False)
+    with pytest.raises(UserError, match=r"trainer.output_dir=.*GiB free on its disk, but one checkpoint of this model takes about 49152.00 GiB"):
+        check_free_disk(str(tmp_path / "run"), str(huge))
+    check_free_disk(str(tmp_path / "run"), str(pickled))  # no safetensors: no estimate, no refusal

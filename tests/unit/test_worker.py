@@ -215,3 +215,51 @@ def test_load_env_errors(tmp_path):
     (tmp_path / "no_step.py").write_text("x = 1\n")
     with pytest.raises(AttributeError, match="must define `async def step"):
         load_env(str(tmp_path / "no_step.py"))
+
+
+HANGING_ENV = '''
+import asyncio
+
+active = peak = 0
+
+async def reset(extra_info):
+    if extra_info["index"] == 2:
+        await asyncio.sleep(3600)  # this episode never starts
+    return None
+
+async def step(state, action, extra_info):
+    global active, peak
+    active += 1
+    peak = max(peak, active)
+    try:
+        if extra_info["index"] == 1:
+            await asyncio.sleep(3600)  # hangs: only env.step_timeout_s ends it
+        await asyncio.sleep(0.05)
+    finally:
+        active -= 1
+    return {"next_state": None, "reward": 1.0, "done": True, "extra_info": {**extra_info, "peak": peak}}
+'''
+
+
+def test_hung_env_calls_time_out_and_concurrency_is_capped(tmp_path, tokenizer, model, caplog):
+    """A hung step or reset ends its samples with status timeout within env.step_timeout_s; the rest are scored;
+    no more than env.max_concurrency calls are in flight at once."""
+    import time
+
+    env = _write_env(tmp_path, HANGING_ENV, "hanging")
+    rows, texts = _rows(tokenizer, n_rows=4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, n=2, seed=0)
+    t0 = time.perf_counter()
+    with caplog.at_level("WARNING"):
+        samples, metrics = rollout(ForwardEngine(model, tokenizer), tokenizer, env, rows, texts, params,
+                                   step_timeout_s=1.0, max_concurrency=2)
+    assert time.perf_counter() - t0 < 60
+    status = {g: [s.status for s in samples if s.group == g] for g in range(4)}
+    assert status[1] == ["timeout"] * 2 and status[2] == ["timeout"] * 2
+    assert all(s.reward == 1.0 and s.status in ("ok", "truncated") for s in samples if s.group in (0, 3))
+    assert all(not s.response_ids for s in samples if s.group == 2)  # never generated: its reset hung
+    assert metrics["env/timeout_frac"] == pytest.approx(4 / 8) and metrics["env/error_frac"] == 0.0
+    peaks = [s.extra_info["peak"] for s in samples if s.group in (0, 3)]
+    assert max(peaks) == 2  # four steps of 50 ms (plus the hung ones) ran two at a time, never three
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("did not return within env.step_timeout_s=1" in m for m in messages)
