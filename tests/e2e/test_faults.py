@@ -42,13 +42,14 @@ async def step(state, action, extra_info):
 TIMING = ("perf/", "mem/", "kv/compress_s")
 
 
-@pytest.fixture
-def slow_task(tmp_path):
+@pytest.fixture(scope="module")
+def slow_task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("slow_task")
     rows = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
             for a, b in [(1, 1), (2, 3), (4, 4), (5, 1)]]
-    env = tmp_path / "slow_env.py"
+    env = root / "slow_env.py"
     env.write_text(SLOW_ENV)
-    return write_data(tmp_path / "train.jsonl", rows), env
+    return write_data(root / "train.jsonl", rows), env
 
 
 def start(args, nproc) -> subprocess.Popen:
@@ -103,10 +104,11 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-@pytest.fixture
-def uninterrupted(tiny_checkpoint, slow_task, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_checkpoint, slow_task, tmp_path_factory):
+    """The reference: the same 5-step run, never interrupted (shared by the preemption and kill tests)."""
     data, env = slow_task
-    out = tmp_path / "full"
+    out = tmp_path_factory.mktemp("uninterrupted") / "full"
     res = trainer(tiny_args(tiny_checkpoint, data, env, out, steps=5), nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
     return out
@@ -190,16 +192,18 @@ def _assert_close(ref: Path, got: Path, rel: float = 1e-6) -> None:
         assert (wa[k] - wb[k]).abs().max().item() <= rel * max(scale, 1e-12), k
 
 
-@pytest.mark.parametrize("saved_with, resumed_with", [(2, (1, 4)), (1, (2,))])
-def test_elastic_resume_on_another_number_of_processes(tiny_checkpoint, task_args, tmp_path, saved_with, resumed_with):
+def test_elastic_resume_on_another_number_of_processes(tiny_checkpoint, task_args, tmp_path):
     """Saved with N processes, resumed with M: step 3's loss and the weights after it equal (1e-6 rel) a resume
-    on N processes, i.e. a run that never changed world size."""
-    base = tmp_path / f"saved_{saved_with}"
-    res = trainer(task_args(base) + ["trainer.stop_after=2"], nproc=saved_with)
-    assert res.returncode == 0, res.stderr[-3000:]
-    ref = _resume_with(base, tmp_path, saved_with, task_args)
-    for nproc in resumed_with:
-        _assert_close(ref, _resume_with(base, tmp_path, nproc, task_args))
+    on the same number of processes, i.e. a run that never changed world size. 2 -> 1, 2 -> 4, 1 -> 2."""
+    bases = {}
+    for saved_with in (2, 1):
+        bases[saved_with] = tmp_path / f"saved_{saved_with}"
+        res = trainer(task_args(bases[saved_with]) + ["trainer.stop_after=2"], nproc=saved_with)
+        assert res.returncode == 0, res.stderr[-3000:]
+    ref = _resume_with(bases[2], tmp_path, 2, task_args)
+    for nproc in (1, 4):
+        _assert_close(ref, _resume_with(bases[2], tmp_path, nproc, task_args))
+    _assert_close(_resume_with(bases[1], tmp_path, 1, task_args), _resume_with(bases[1], tmp_path, 2, task_args))
 
 
 @pytest.fixture
