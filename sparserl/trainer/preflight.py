@@ -100,21 +100,23 @@ def check_free_disk(output_dir: str, model_path: str, key: str = "trainer.output
     import shutil
 
     need = checkpoint_bytes(model_path)
-    existing = Path(output_dir).expanduser().absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    free = shutil.disk_usage(existing).free
+    free = shutil.disk_usage(_nearest_existing(Path(output_dir).expanduser().absolute())).free
     if need and free < need:
         raise UserError(f"{key}={output_dir}: {free / 2**30:.2f} GiB free on its disk, but one checkpoint of this model "
                         f"takes about {need / 2**30:.2f} GiB (weights and optimizer state); free space or choose another {key}")
 
 
+def _nearest_existing(path: Path) -> Path:
+    """`path` itself or its closest ancestor that exists (where a folder would be created)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def check_output_dir(path: str, key: str = "trainer.output_dir") -> None:
     """Raise unless `path` is a writable folder or one that can be created; leaves nothing behind."""
     target = Path(path).expanduser().absolute()
-    existing = target
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = _nearest_existing(target)
     if not existing.is_dir():
         where = "a file is there" if existing == target else f"{existing} is a file"
         raise UserError(f"{key}={path}: {where}, so it cannot be the run's folder; choose another {key}")
