@@ -119,6 +119,7 @@ class ActorConfig:
     ppo_epochs: int = 1  # passes over each rollout
     balance_ranks: bool = True  # move sequences between DP ranks before the update so token loads are equal
     fuse_old_logprobs: bool = True  # one update per rollout: logp_old from the update's own forward (no extra pass)
+    share_prompts: bool = True  # compute a prompt once per micro-batch for all of its samples (exact; fewer tokens)
 
 
 @dataclass

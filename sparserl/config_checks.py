@@ -168,7 +168,7 @@ RULES: dict[str, Rule] = {
 # Keys that take any value of their type: paths, field names, free text, switches.
 FREE = ("model.path", "model.activation_checkpointing", "model.allow_pickle_weights", "data.train_path", "data.system_prompt", "data.shuffle",
         "env.path", "rollout.release_weights", "rollout.quantize_lm_head", "rollout.kv.compress_prompt",
-        "actor.balance_ranks", "actor.fuse_old_logprobs", "algo.correction.enable", "algo.correction.is_batch_normalize",
+        "actor.balance_ranks", "actor.fuse_old_logprobs", "actor.share_prompts", "algo.correction.enable", "algo.correction.is_batch_normalize",
         "algo.correction.apply_to_kl", "algo.correction.rejected_in_baseline", "trainer.export_hf", "eval.datasets",
         "eval.data_dir", "eval.output_dir", "logger.progress", "logger.wandb.name")
 

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from sparserl.actor.hf import load_model, parse_dtype
-from sparserl.actor.logprobs import DEFAULT_CHUNK_MB, PackedSeqs, packed_logprobs
+from sparserl.actor.logprobs import DEFAULT_CHUNK_MB, PackedSeqs, packed_logprobs, prompt_key
 from sparserl.actor.optim import build_optimizer, build_scheduler
 from sparserl.actor.parallelize import parallelize
 from sparserl.algo.aggregation import Normalizer
-from sparserl.data.packing import contiguous_minibatches, split_microbatches
+from sparserl.data.packing import contiguous_minibatches, split_microbatches, split_shared_microbatches
 from sparserl.parallel import all_reduce_max, all_reduce_sum
 from sparserl.rollout.native.attention import use_packed_attention
 
@@ -62,7 +62,7 @@ class Actor:
                  warmup_steps: int = 0, total_steps: int = 1, min_lr_ratio: float = 0.0, max_grad_norm: float = 1.0,
                  max_tokens_per_device: int = 8192, activation_checkpointing: bool = False, trainable: bool = True,
                  sampling: tuple[float, float, int] = (1.0, 1.0, 0), entropy_grad: bool = False,
-                 logprob_chunk_mb: float = DEFAULT_CHUNK_MB) -> None:
+                 logprob_chunk_mb: float = DEFAULT_CHUNK_MB, share_prompts: bool = True) -> None:
         self.device = device
         self.mesh = mesh
         self.max_tokens = max_tokens_per_device
@@ -70,6 +70,7 @@ class Actor:
         self.temperature, self.top_p, self.top_k = sampling
         self.entropy_grad = entropy_grad  # False: entropy is only a metric, computed without autograd
         self.chunk_mb = logprob_chunk_mb
+        self.share_prompts = share_prompts  # the samples of one prompt share its forward (actor/logprobs.py)
         model = load_model(model_path, dtype, device)
         use_packed_attention(model)
         if activation_checkpointing:
@@ -95,7 +96,12 @@ class Actor:
     def _microbatches(self, batch: TrainBatch, index: list[int]) -> list[list[int]]:
         """Micro-batches of `index`; padded with empty ones so every DP rank runs the same count."""
         lengths = [len(batch.ids[i]) for i in index]
-        mbs = [[index[j] for j in mb] for mb in split_microbatches(lengths, self.max_tokens)] if index else []
+        if self.share_prompts:  # a prompt's samples go together, so its forward is shared
+            keys = [prompt_key(batch.ids[i], batch.prompt_lens[i]) for i in index]
+            plan = split_shared_microbatches(keys, [batch.prompt_lens[i] for i in index], lengths, self.max_tokens)
+        else:
+            plan = split_microbatches(lengths, self.max_tokens)
+        mbs = [[index[j] for j in mb] for mb in plan] if index else []
         count = all_reduce_max(torch.tensor([len(mbs)], device=self.device), self.dp_group)
         return mbs + [[] for _ in range(int(count.item()) - len(mbs))]
 
@@ -105,7 +111,7 @@ class Actor:
         else:
             seqs = PackedSeqs([batch.ids[i] for i in mb], [batch.prompt_lens[i] for i in mb])
         return packed_logprobs(self.model, seqs, self.device, self.temperature, self.top_p, self.top_k, with_entropy,
-                               self.entropy_grad, hold_context, self.chunk_mb)
+                               self.entropy_grad, hold_context, self.chunk_mb, self.share_prompts)
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()

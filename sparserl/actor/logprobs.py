@@ -5,6 +5,14 @@ attention function (rollout/native/attention.py, the same one the engine runs) k
 and separate. Log-probs use the sampler's transform (`processed_logprobs`), so they are comparable with the
 engine's `logp_sparse`.
 
+Shared prompts (`share_prompts`, the default): sequences of the micro-batch that start with the same prompt
+(GRPO's n samples of one prompt) are laid out as the prompt once, then each response with positions continuing
+after the prompt; a response's rows attend over the prompt's rows and causally over themselves, and its first
+token is predicted from the prompt's last row. Every response sees exactly the context it saw unshared, so
+log-probs and gradients are the same up to floating-point summation order, while the prompt's tokens are
+computed once per micro-batch instead of once per sample (GRPO with 8 samples of ~40-token prompts and
+~25-token answers: 54% fewer tokens).
+
 The LM head never materializes the (tokens x vocabulary) logits of a whole micro-batch. `install_logprob_head`
 replaces the head's forward: when the forward context carries a `LogprobHead` (the actor's forwards), the head
 takes the hidden states of the rows that predict response tokens and computes matmul -> sampling transform ->
@@ -30,7 +38,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from sparserl.actor.vocab_parallel import VocabShard, copy_to_vocab_parallel, vocab_parallel_logprobs, vocab_shard
-from sparserl.rollout.native.attention import ForwardContext, Span, current_context, forward_context
+from sparserl.rollout.native.attention import (ATTN_NAME, ForwardContext, Span, current_context, forward_context,
+                                               use_packed_attention)
 from sparserl.rollout.sampling import processed_logprobs
 
 HEAD_ATTR = "sparserl_logprob_head"
@@ -149,6 +158,7 @@ def packed_logprobs(
     entropy_grad: bool = True,
     hold_context: contextlib.ExitStack | None = None,
     chunk_mb: float = DEFAULT_CHUNK_MB,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns response-aligned (b, T) log-probs and entropies (0 beyond each response's length).
 
@@ -156,14 +166,9 @@ def packed_logprobs(
     recomputes the attention during backward, which must still see this micro-batch's spans.
     """
     install_logprob_head(model)
-    flat, pos, keep, targets, spans = [], [], [], [], []
-    for ids, p in zip(seqs.ids, seqs.prompt_lens):
-        start = len(flat)
-        flat.extend(ids)
-        pos.extend(range(len(ids)))
-        keep.extend(range(start + p - 1, start + len(ids) - 1))  # row t predicts token t + 1
-        targets.extend(ids[p:])
-        spans.append(Span(start, len(flat)))
+    if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
+        use_packed_attention(model)  # the spans (and shared prompts) need the packed attention
+    flat, pos, keep, targets, spans = _layout(seqs, share_prompts)
     shard = vocab_shard(model)
     if shard is not None and (top_p < 1.0 or top_k > 0):
         raise NotImplementedError(f"rollout.top_p={top_p} / rollout.top_k={top_k} with parallel.tp > 1: the kept set needs "
@@ -181,6 +186,53 @@ def packed_logprobs(
         )
     ent = unflatten(head.entropy, seqs.resp_lens) if with_entropy else None
     return unflatten(head.logp, seqs.resp_lens), ent
+
+
+def prompt_key(ids: list[int], prompt_len: int):
+    """What makes two sequences share a prompt: the same prompt tokens."""
+    return tuple(ids[:prompt_len])
+
+
+def _layout(seqs: PackedSeqs, share_prompts: bool):
+    """The packed row: token ids, positions, the rows whose hidden states predict the response tokens (in
+    sequence order), those tokens, and the attention spans. See the module docstring for shared prompts."""
+    groups: dict = {}
+    for j, (ids, p) in enumerate(zip(seqs.ids, seqs.prompt_lens)):
+        key = prompt_key(ids, p) if share_prompts and p > 0 else j
+        groups.setdefault(key, []).append(j)
+    flat: list[int] = []
+    pos: list[int] = []
+    spans: list[Span] = []
+    keep_of: list[list[int]] = [[] for _ in seqs.ids]
+    for members in groups.values():
+        if len(members) == 1:
+            j = members[0]
+            ids, p = seqs.ids[j], seqs.prompt_lens[j]
+            start = len(flat)
+            flat.extend(ids)
+            pos.extend(range(len(ids)))
+            keep_of[j] = list(range(start + p - 1, start + len(ids) - 1))  # row t predicts token t + 1
+            spans.append(Span(start, len(flat)))
+            continue
+        first = seqs.ids[members[0]]
+        p = seqs.prompt_lens[members[0]]
+        prompt_start = len(flat)
+        flat.extend(first[:p])
+        pos.extend(range(p))
+        spans.append(Span(prompt_start, len(flat)))
+        prompt_span = len(spans) - 1
+        for j in members:
+            ids = seqs.ids[j]
+            if len(ids) == p:  # an empty response: nothing to attend or predict
+                continue
+            start = len(flat)
+            flat.extend(ids[p:])
+            pos.extend(range(p, len(ids)))
+            keep_of[j] = [prompt_start + p - 1] + list(range(start, len(flat) - 1))
+            spans.append(Span(start, len(flat), prefix=prompt_span))
+    keep = [r for rows in keep_of for r in rows]
+    targets = [t for ids, p in zip(seqs.ids, seqs.prompt_lens) for t in ids[p:]]
+    return flat, pos, keep, targets, spans
 
 
 def unflatten(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:

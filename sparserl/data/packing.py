@@ -9,6 +9,10 @@ micro-batches of at most `max_tokens` packed tokens.
   sequence longer than the bound gets a micro-batch of its own rather than being truncated.
 - `plan_microbatches` composes the two; `flatten_plan` + `inverse_permutation` put per-sequence results
   computed in plan order back into the original order.
+- `prompt_units` + `split_shared_microbatches`: with shared prompts (`actor.share_prompts`) the GRPO samples of
+  one prompt are packed as the prompt once followed by every response (actor/logprobs.py), so the unit of
+  packing is a prompt's group and its cost the prompt plus the responses; groups too large for one micro-batch
+  (or for a fair share of the DP ranks) are cut into pieces that each carry their own copy of the prompt.
 
 Left out on purpose: balancing by attention cost (quadratic in length) rather than by token count, and equal
 sequence counts per rank (the loss uses globally all-reduced normalizers, so uneven counts are fine).
@@ -91,3 +95,37 @@ def inverse_permutation(order: list[int]) -> list[int]:
             raise ValueError(f"not a permutation of 0..{len(order) - 1}: index {i} at position {pos}")
         inv[i] = pos
     return inv
+
+
+def prompt_units(keys: list, prompt_lens: list[int], lengths: list[int], max_cost: int) -> list[tuple[list[int], int]]:
+    """Groups of indices with the same prompt `keys[i]`, cut into pieces of cost <= `max_cost` (or one sequence).
+
+    Cost of a piece = its prompt length once + the response lengths (`lengths[i] - prompt_lens[i]`): the tokens
+    a shared-prompt forward computes. Indices in a piece keep their order; pieces come in order of first index.
+    """
+    groups: dict = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    units = []
+    for members in groups.values():
+        p = prompt_lens[members[0]]
+        piece, cost = [], p
+        for i in members:
+            r = lengths[i] - prompt_lens[i]
+            if piece and cost + r > max_cost:
+                units.append((piece, cost))
+                piece, cost = [], p
+            piece.append(i)
+            cost += r
+        units.append((piece, cost))
+    return units
+
+
+def split_shared_microbatches(keys: list, prompt_lens: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """`split_microbatches` over prompt groups: first-fit decreasing of `prompt_units` by cost, so a prompt's
+    samples land in the same micro-batch and its prompt is computed once there. Each list sorted."""
+    if max_tokens <= 0:
+        raise ValueError(f"actor.max_tokens_per_device must be positive, got {max_tokens}")
+    units = prompt_units(keys, prompt_lens, lengths, max_tokens)
+    bins = split_microbatches([cost for _, cost in units], max_tokens)
+    return [sorted(i for u in b for i in units[u][0]) for b in bins]

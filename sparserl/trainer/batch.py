@@ -13,12 +13,13 @@ import torch
 import torch.distributed as dist
 
 from sparserl.actor.actor import TrainBatch
+from sparserl.actor.logprobs import prompt_key
 from sparserl.algo.advantages import compute_advantages
 from sparserl.algo.aggregation import Normalizer
 from sparserl.algo.correction import CorrectionConfig, correct, dist_reduce_sum, token_decisions
 from sparserl.algo.loss import LossConfig, kl_reward_penalty, policy_objective
 from sparserl.config import AlgoConfig, Config
-from sparserl.data.packing import balanced_partition, contiguous_minibatches
+from sparserl.data.packing import balanced_partition, contiguous_minibatches, prompt_units
 from sparserl.rollout.worker import Sample
 
 
@@ -165,10 +166,22 @@ class FusedOldLogprobLoss:
         return pg, {"actor/loss": pg, "actor/pg_loss": pg, "actor/kl": kl, "actor/entropy": tokens}
 
 
+def _units(pool: list, world: int, share_prompts: bool) -> list[tuple[list[int], int]]:
+    """(indices into `pool`, token cost) of what `balance_ranks` moves: single sequences, or prompt groups."""
+    lengths = [len(seq[1]) for seq in pool]
+    if not share_prompts:
+        return [([j], n) for j, n in enumerate(lengths)]
+    prompt_lens = [seq[2] for seq in pool]
+    keys = [prompt_key(seq[1], seq[2]) for seq in pool]
+    total = sum(cost for _, cost in prompt_units(keys, prompt_lens, lengths, 1 << 62))
+    return prompt_units(keys, prompt_lens, lengths, max(1, total // (2 * world)))
+
+
 _PER_TOKEN = ("mask", "logp_old", "logp_sparse", "logp_ref", "weights", "kl_weights")
 
 
-def balance_ranks(batch: TrainBatch, num_minibatches: int, dp_group) -> tuple[TrainBatch, list[list[int]], dict]:
+def balance_ranks(batch: TrainBatch, num_minibatches: int, dp_group,
+                  share_prompts: bool = False) -> tuple[TrainBatch, list[list[int]], dict]:
     """Moves sequences between DP ranks so that every rank trains on a near-equal number of tokens.
 
     Rollouts are colocated, so each rank starts with the sequences its own engine sampled, and their token
@@ -180,6 +193,9 @@ def balance_ranks(batch: TrainBatch, num_minibatches: int, dp_group) -> tuple[Tr
     of floating-point sums. Returns this rank's new batch, its minibatches (local indices, one list per
     optimizer step) and metrics (max/mean token load over ranks, before and after). Each row of the new batch
     keeps its `origin`, the (DP rank, row) it was rolled out at, so logged samples can find it (trainer/samples.py).
+    With `share_prompts` (`actor.share_prompts`) the units moved are a prompt's samples, in pieces of at most half
+    a rank's fair share, costed as the tokens a shared-prompt forward computes (prompt once + responses), so a
+    prompt's samples stay together and share its forward (actor/logprobs.py).
     """
     world = dist.get_world_size(dp_group) if dist.is_initialized() else 1
     home = contiguous_minibatches(len(batch), num_minibatches)
@@ -196,14 +212,27 @@ def balance_ranks(batch: TrainBatch, num_minibatches: int, dp_group) -> tuple[Tr
                          [getattr(batch, f)[i, :r].detach().cpu() for f in fields], origin))
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine, group=dp_group)
-    before = [sum(len(seq[1]) for seq in part) for part in everyone]
+    before = [sum(cost for _, cost in _units(part, 1, share_prompts)) for part in everyone]
     rows, minibatches, after = [], [], [0] * world
     for k in range(num_minibatches):
         pool = [seq for part in everyone for seq in part if seq[0] == k]  # same order on every rank
-        lengths = [len(seq[1]) for seq in pool]
-        parts = balanced_partition(lengths, world)  # deterministic: every rank computes the same split
-        for r, share in enumerate(parts):
-            after[r] += sum(lengths[j] for j in share)
+        units = _units(pool, world, share_prompts)
+        costs = [cost for _, cost in units]
+        unit_parts = balanced_partition(costs, world)  # deterministic: every rank computes the same split
+        parts = [sorted(j for u in share for j in units[u][0]) for share in unit_parts]
+        loads = [sum(costs[u] for u in share) for share in unit_parts]
+        # Shared prompts: where the split is no better than what the ranks rolled out (whole prompt groups
+        # each, computed once), keep that.
+        home_parts, start = [], 0
+        for part in everyone:
+            size = sum(seq[0] == k for seq in part)
+            home_parts.append(list(range(start, start + size)))
+            start += size
+        home_loads = [sum(cost for _, cost in _units([pool[j] for j in hp], 1, share_prompts)) for hp in home_parts]
+        if share_prompts and max(home_loads) <= max(loads):
+            parts, loads = home_parts, home_loads
+        for r in range(world):
+            after[r] += loads[r]
         minibatches.append(list(range(len(rows), len(rows) + len(parts[rank]))))
         rows.extend(pool[j] for j in parts[rank])
     device = batch.mask.device

@@ -135,7 +135,8 @@ def train(cfg: Config) -> None:
         with timers("update"):
             minibatches, balance_metrics = None, {}
             if cfg.actor.balance_ranks:
-                batch, minibatches, balance_metrics = balance_ranks(batch, cfg.actor.updates_per_rollout, actor.dp_group)
+                batch, minibatches, balance_metrics = balance_ranks(batch, cfg.actor.updates_per_rollout, actor.dp_group,
+                                                                       cfg.actor.share_prompts)
             loss_fn = FusedOldLogprobLoss(cfg.algo, loss_cfg, actor.dp_group) if fused else make_loss_fn(loss_cfg)
             actor_metrics = actor.update(batch, loss_fn, cfg.actor.updates_per_rollout, cfg.actor.ppo_epochs,
                                          minibatches=minibatches)

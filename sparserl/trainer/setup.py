@@ -101,7 +101,7 @@ def build_actor(cfg: Config, model_path: str, mesh, device, trainable: bool = Tr
                  total_steps=cfg.trainer.total_steps * a.updates_per_rollout * a.ppo_epochs, min_lr_ratio=a.min_lr_ratio,
                  max_grad_norm=a.max_grad_norm, max_tokens_per_device=a.max_tokens_per_device,
                  activation_checkpointing=cfg.model.activation_checkpointing, trainable=trainable,
-                 entropy_grad=cfg.algo.entropy_coef != 0, logprob_chunk_mb=a.logprob_chunk_mb,
+                 entropy_grad=cfg.algo.entropy_coef != 0, logprob_chunk_mb=a.logprob_chunk_mb, share_prompts=a.share_prompts,
                  sampling=(r.temperature, r.top_p, r.top_k))
 
 

@@ -13,9 +13,9 @@ WORKER = Path(__file__).with_name("fused_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(ckpt, out, nproc, dtype="float32"):
+def run(ckpt, out, nproc, dtype="float32", worker=WORKER):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    args = [str(WORKER), str(ckpt), str(out), dtype]
+    args = [str(worker), str(ckpt), str(out), dtype]
     cmd = [sys.executable, *args] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)

@@ -7,7 +7,8 @@ of a forward by `forward_context(...)` and reset afterwards (the only module-lev
 - with a KV cache (engine): the new keys/values are written into the pool at `write_slots`, then each
   sequence's queries attend over its slots: decode sequences batched in one padded SDPA call, prefill
   sequences one call each (causal over their new tokens, full over what was cached before).
-- without a cache (actor training): each packed sequence attends causally over itself.
+- without a cache (actor training): each packed sequence attends causally over itself; a span with a
+  `prefix` (a shared prompt, actor/logprobs.py) attends over that span's rows first, then causally over itself.
 
 Left out on purpose: flash-attn / paged kernels (SDPA covers CPU and CUDA with one code path), sliding-window
 and ALiBi models.
@@ -32,6 +33,7 @@ class Span:
     end: int
     slots: torch.Tensor | None = None  # (L,) cache entries to attend over, the new tokens last; None = no cache
     num_cached: int = 0  # entries before the new tokens
+    prefix: int | None = None  # no cache: index of an earlier span whose rows come before these (a shared prompt)
 
 
 @dataclass
@@ -94,20 +96,24 @@ def _decode_attention(q, k_cache, v_cache, ctx: ForwardContext, scaling: float |
     return torch.matmul(probs, v).reshape(bd, H, D)
 
 
-def _span_attention(span: Span, q, k, v, k_cache, v_cache, scaling) -> torch.Tensor:
-    """Causal attention of one sequence's new rows (n, H, D) over its cached entries and themselves."""
+def _span_attention(span: Span, q, k, v, k_cache, v_cache, scaling, prefix=None) -> torch.Tensor:
+    """Causal attention of one sequence's new rows (n, H, D) over its cached entries (or the `prefix` span's
+    (keys, values) rows) and themselves."""
     qs = q.transpose(0, 1)[None]  # (1, H, n, D)
+    num_cached = span.num_cached
     if span.slots is None:
+        if prefix is not None:
+            k, v, num_cached = torch.cat([prefix[0], k]), torch.cat([prefix[1], v]), prefix[0].shape[0]
         ks, vs = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     else:
         ks = k_cache.index_select(0, span.slots).transpose(0, 1)[None]  # (1, H_kv, L, D)
         vs = v_cache.index_select(0, span.slots).transpose(0, 1)[None]
-    if span.num_cached == 0:
+    if num_cached == 0:
         o = _sdpa(qs, ks, vs, causal=True, scale=scaling)
     else:
         # Everything cached before is visible; the new tokens see each other causally.
         n, L = q.shape[0], ks.shape[2]
-        rows = torch.arange(n, device=q.device)[:, None] + span.num_cached
+        rows = torch.arange(n, device=q.device)[:, None] + num_cached
         mask = torch.arange(L, device=q.device)[None, :] <= rows  # (n, L)
         o = _sdpa(qs, ks, vs, mask=mask, scale=scaling)
     return o[0].transpose(0, 1)
@@ -149,7 +155,8 @@ def packed_attention(
     q_parts, k_parts, v_parts = (torch.split(x, sizes) for x in (q, k_new, v_new))
     parts = [decoded] if decoded is not None else []
     for span, qs, ks, vs in zip(ctx.spans, q_parts[1:], k_parts[1:], v_parts[1:]):
-        parts.append(_span_attention(span, qs, ks, vs, k_cache, v_cache, scaling))
+        prefix = None if span.prefix is None else (k_parts[1 + span.prefix], v_parts[1 + span.prefix])
+        parts.append(_span_attention(span, qs, ks, vs, k_cache, v_cache, scaling, prefix))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out[None], None  # (1, T, H, D)
 
