@@ -69,13 +69,17 @@ class CompressionSchedule:
         return self.floor
 
     @staticmethod
-    def max_slots(cfg: KVPolicyConfig, prompt_len: int, max_new_tokens: int) -> int:
+    def max_slots(cfg: KVPolicyConfig, prompt_len: int, max_new_tokens: int, floor_len: int | None = None) -> int:
         """Worst-case entries one request ever holds (per layer, per head).
 
         floor + divide_length once generating; a compressible prompt longer than that is held whole at
-        prefill and once more with the first decoded token, which triggers at once.
+        prefill and once more with the first decoded token, which triggers at once. `prompt_len` is what the
+        cache holds after prefill; `floor_len` (default `prompt_len`) is the length the floor protects. They
+        differ for a continued engine session: its cache holds the earlier turns (already compressible) plus
+        the new tokens, and only the new tokens count as this turn's prompt.
         """
         dense = prompt_len + max_new_tokens
         if cfg.algorithm == "none":
             return dense
-        return min(dense, max(prompt_len + 1, keep_floor(cfg, prompt_len) + cfg.divide_length))
+        floor = keep_floor(cfg, prompt_len if floor_len is None else floor_len)
+        return min(dense, max(prompt_len + 1, floor + cfg.divide_length))

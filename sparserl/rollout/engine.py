@@ -2,11 +2,17 @@
 
 An engine turns `GenerationRequest`s into `Generation`s, takes fresh weights from the actor, and can give
 its memory back while the actor trains. Engines agree only on `rollout/types.py`.
+
+Multi-turn sessions are optional: an engine with `supports_sessions = True` (native) keeps a trajectory's
+KV cache between turns and prefills only the new tokens; one without (SGLang, which re-prefills and lets its
+prefix cache help) ignores `session_id` / `keep_session`, returns `Generation.session_id = None`, and its
+`end_sessions` does nothing. Either way the caller sends the full history every turn, so the samples are the
+same; `supports_sessions(engine)` reads the flag of any engine, including duck-typed ones without it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol, runtime_checkable
+from typing import Any, Callable, Hashable, Iterable, Protocol, runtime_checkable
 
 import torch
 
@@ -19,6 +25,7 @@ class EngineStats:
 
     new_tokens: int = 0
     prompt_tokens: int = 0
+    prefill_tokens: int = 0  # tokens run through a prefill forward (shared-prefill copies and held session KV are not); 0 where not counted
     generate_s: float = 0.0
     forward_steps: int = 0
     peak_slots: int = 0  # high-water mark of the slot pool (slots per layer)
@@ -28,6 +35,9 @@ class EngineStats:
     compressions: int = 0
     compress_s: float = 0.0
     kv_bytes_per_slot: int = 0  # all layers, K and V
+    sessions_continued: int = 0  # turns that continued a held session's KV instead of re-prefilling
+    session_reused_tokens: int = 0  # prompt tokens those turns did not prefill
+    sessions_dropped: int = 0  # held sessions dropped under pool pressure (their next turn re-prefills)
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -41,6 +51,8 @@ class EngineStats:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
+    supports_sessions: bool  # True: `keep_session` / `session_id` keep and continue KV between turns
+
     def generate(self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None) -> list[Generation]:
         """Complete every request `params.n` times; returns generations ordered by (request, sample index).
         `progress(k)` is called as k more sequences finish."""
@@ -56,6 +68,15 @@ class RolloutEngine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def reset_stats(self) -> None: ...
+
+    def end_sessions(self, session_ids: Iterable[Hashable] | None = None) -> int:
+        """Release the KV held for these session keys (None: every session); unknown keys are ignored.
+        Returns how many were held. A no-op returning 0 where sessions are not supported."""
+
+
+def supports_sessions(engine: Any) -> bool:
+    """Whether `engine` keeps KV between turns; False for engines that do not declare it."""
+    return bool(getattr(engine, "supports_sessions", False))
 
 
 _ENGINES: dict[str, Callable[..., RolloutEngine]] = {}

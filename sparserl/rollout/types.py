@@ -1,13 +1,15 @@
 """Types that every rollout engine agrees on.
 
 Engines take `GenerationRequest`s and return `Generation`s; nothing else crosses the engine boundary.
-Left out on purpose: tokenization (the worker owns it) and multi-turn state (the env loop owns it).
+Left out on purpose: tokenization (the worker owns it) and multi-turn state (the env loop owns it). An
+engine may keep a trajectory's KV cache between turns (`GenerationRequest.session_id`), but the tokens of
+the trajectory stay the caller's: every turn still sends the whole history as its prompt.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Hashable, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -70,12 +72,28 @@ class GenerationRequest:
     A sample's random stream is keyed by (`params.seed` or the engine's seed, `seed_index`, sample index);
     `seed_index=None` stands for the request's position in the list given to `generate`. Setting it (eval:
     the prompt's row in its dataset) makes the draws independent of how prompts are split into batches.
+
+    Sessions (multi-turn; honoured where the engine's `supports_sessions` is True, ignored elsewhere):
+    `keep_session=True` asks the engine to hold each sample's KV cache after it finishes, under the key it
+    returns as `Generation.session_id` (`session_id` itself for n=1, `(session_id, sample_index)` for n>1).
+    A later request with that key as its `session_id` (n=1) continues the held cache: its prompt must be the
+    held tokens followed by new ones (the previous prompt, response and the observation), and only the new
+    tokens are prefilled. A key the engine does not hold (never kept, or dropped under pool pressure) is
+    prefilled from scratch, so callers need not know which happened. `keep_session=False` with a held key
+    continues it one last time and releases it when the turn ends. `RolloutEngine.end_sessions` releases
+    held keys early.
     """
 
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str | int = 0
     seed_index: int | None = None
+    session_id: Hashable | None = None
+    keep_session: bool = False
+
+    def __post_init__(self) -> None:
+        if self.keep_session and self.session_id is None:
+            raise ValueError(f"request {self.request_id!r}: keep_session=True needs a session_id to keep the KV under")
 
 
 @dataclass
@@ -88,6 +106,7 @@ class KVStats:
     compressions: int = 0
     compress_s: float = 0.0
     preemptions: int = 0
+    reused_tokens: int = 0  # prompt tokens whose KV came from a held session instead of a prefill
     # Number of tokens generated before each compression: token k (0-based) onward was sampled from the
     # compressed cache. Empty for a dense cache and for engines that do not report it.
     compressed_at: list[int] = field(default_factory=list)
@@ -105,3 +124,4 @@ class Generation:
     finish_reason: FinishReason
     text: str | None = None
     kv: KVStats = field(default_factory=KVStats)
+    session_id: Hashable | None = None  # the key the engine holds this sample's KV under; None when not held

@@ -6,8 +6,12 @@ first slots (per layer and per KV head: heads may keep different tokens, since k
 gives the rest back to the pool. New tokens keep their logical positions; only slots are renumbered.
 
 Queries are captured in a ring buffer per (layer, running sequence), written once per layer per step with
-one indexed copy. Left out on purpose: compressing at prefill (the first trigger comes with the first
-decode step past the floor), cross-request batching of the scoring (each trigger is per request).
+one indexed copy. A sequence whose KV the engine keeps as a session hands its state over as a `Carry` (kept
+positions and its query window, copied out of the ring) and the next turn's sequence picks it up, so the
+compressed cache continues with true logical positions; the new turn's own tokens are its prompt for the
+floor (`CompressionSchedule(cfg, new tokens)`), while earlier turns are compressible like generated tokens.
+Left out on purpose: compressing at prefill (the first trigger comes with the first decode step past the
+floor), cross-request batching of the scoring (each trigger is per request).
 """
 from __future__ import annotations
 
@@ -30,6 +34,16 @@ class _SeqState:
     appended_from: int = 0  # logical position of the first entry appended after the last compression
 
 
+@dataclass
+class Carry:
+    """A held session's compression state between turns (its entries stay in the pool, in its slots)."""
+
+    kept_positions: torch.Tensor | None  # (layers, H_kv, K), as in `_SeqState`
+    appended_from: int
+    queries: torch.Tensor | None  # (layers, window, H, D): the sequence's ring row, slot i = query i mod window
+    queries_seen: int
+
+
 class Compressor:
     def __init__(self, cfg: KVPolicyConfig, runner, max_num_seqs: int, tokenizer=None) -> None:
         if cfg.divide_method == "newline" and tokenizer is None:
@@ -44,8 +58,8 @@ class Compressor:
         self._state: dict[int, _SeqState] = {}
         self._newline: dict[int, bool] = {}
 
-    def max_slots(self, prompt_len: int, max_new_tokens: int) -> int:
-        return CompressionSchedule.max_slots(self.cfg, prompt_len, max_new_tokens)
+    def max_slots(self, prompt_len: int, max_new_tokens: int, floor_len: int | None = None) -> int:
+        return CompressionSchedule.max_slots(self.cfg, prompt_len, max_new_tokens, floor_len)
 
     def release(self) -> None:
         self._qbuf = None
@@ -72,35 +86,62 @@ class Compressor:
 
         def capture(layer: int, q: torch.Tensor) -> None:  # q: (T, H, D)
             if self._qbuf is None:
-                self._allocate(q)
+                self._allocate(q.shape[1], q.shape[2], q.dtype, q.device)
             self._qbuf[layer][rows_t, ring_t] = q[src_t]
 
         return capture
 
-    def _allocate(self, q: torch.Tensor) -> None:
-        shape = (self.max_rows, self.window, q.shape[1], q.shape[2])
-        self._qbuf = [torch.zeros(shape, dtype=q.dtype, device=q.device) for _ in range(self.runner.num_layers)]
+    def _allocate(self, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (self.max_rows, self.window, heads, dim)
+        self._qbuf = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.runner.num_layers)]
 
     def _get(self, seq: Sequence) -> _SeqState:
         st = self._state.get(seq.seq_id)
         if st is None:
-            st = _SeqState(CompressionSchedule(self.cfg, len(seq.prompt)), self._free_rows.pop())
+            # A continued session's floor protects only this turn's new tokens (see the module docstring).
+            schedule = CompressionSchedule(self.cfg, len(seq.prompt) - seq.reused)
+            st = _SeqState(schedule, self._free_rows.pop())
+            if seq.carry is not None:
+                self._resume(st, seq.carry)
+                seq.carry = None
             self._state[seq.seq_id] = st
         return st
+
+    def _resume(self, st: _SeqState, carry: Carry) -> None:
+        st.kept_positions, st.appended_from, st.queries_seen = carry.kept_positions, carry.appended_from, carry.queries_seen
+        if carry.queries is not None:
+            if self._qbuf is None:
+                _, _, heads, dim = carry.queries.shape
+                self._allocate(heads, dim, carry.queries.dtype, carry.queries.device)
+            for layer, buf in enumerate(self._qbuf):
+                buf[st.row] = carry.queries[layer]
 
     def forget(self, seq: Sequence) -> None:
         st = self._state.pop(seq.seq_id, None)
         if st is not None:
             self._free_rows.append(st.row)
 
-    # ------------------------------------------------------------ after sampling
-    def after_step(self, batch: ScheduledBatch, live: list[Sequence], scheduler: Scheduler) -> None:
-        for seq in batch.forks:  # siblings start from their leader's prompt queries
+    def detach(self, seq: Sequence) -> Carry | None:
+        """Hand a finished sequence's state over to the session that keeps its KV; frees its ring row."""
+        st = self._state.pop(seq.seq_id, None)
+        if st is None:
+            return None
+        self._free_rows.append(st.row)
+        queries = None if self._qbuf is None else torch.stack([buf[st.row] for buf in self._qbuf])  # a copy
+        return Carry(st.kept_positions, st.appended_from, queries, st.queries_seen)
+
+    # ------------------------------------------------------------ after the forward
+    def after_forward(self, batch: ScheduledBatch) -> None:
+        """Siblings start from their leader's prompt queries (before any of them can finish and be detached)."""
+        for seq in batch.forks:
             if seq.seq_id in self._state and seq.fork_of.seq_id in self._state and self._qbuf is not None:
                 lead, me = self._state[seq.fork_of.seq_id], self._state[seq.seq_id]
                 for buf in self._qbuf:
                     buf[me.row] = buf[lead.row]
                 me.queries_seen = lead.queries_seen
+
+    # ------------------------------------------------------------ after sampling
+    def after_step(self, live: list[Sequence], scheduler: Scheduler) -> None:
         for seq in live:
             st = self._state[seq.seq_id]
             if st.schedule.on_token(len(seq.slots), self._is_newline(seq.output[-1])):

@@ -7,12 +7,23 @@ for the next waiting ones. Left out on purpose: an async/streaming API (the trai
 prefix caching across prompts (the `n` samples of one prompt do share its prefill), speculative decoding.
 With `quantization` the linear layers hold int8 / fp8 weights, re-quantized at every weight update
 (`quantize.py`); `rescore_seqs` re-scores a few sequences densely to split the mismatch (`rescore.py`).
+
+Multi-turn sessions (`supports_sessions`): a request with `keep_session=True` leaves each sample's KV in the
+pool under `Generation.session_id`; the next turn sends that key as its `session_id` with the whole history
+as its prompt, and only the tokens after the held ones are prefilled (compressed caches carry over). The
+held slots count against the pool and are dropped under pressure (policy in `sessions.py`). A caller's loop:
+
+    gens = engine.generate([GenerationRequest(prompt, params, i, session_id=i, keep_session=True) ...])
+    ...  # per live trajectory: history = prompt + response (+ observation), next turn:
+    gens = engine.generate([GenerationRequest(history, params.replace(n=1), i, session_id=gen.session_id,
+                                              keep_session=not last_turn) ...])
+    engine.end_sessions()  # after the rollout (trajectories that ended early, errors): frees every held slot
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Hashable, Iterable
 
 import torch
 
@@ -23,7 +34,8 @@ from sparserl.rollout.native.compressor import Compressor
 from sparserl.rollout.native.runner import ModelRunner
 from sparserl.rollout.native.sampler import Sampler
 from sparserl.rollout.native.scheduler import ScheduledBatch, Scheduler
-from sparserl.rollout.native.sequence import Sequence
+from sparserl.rollout.native.sequence import Sequence, Status
+from sparserl.rollout.native.sessions import SessionTable, check_extends, choose_victims, session_keys
 from sparserl.rollout.native.slot_pool import SlotPool
 from sparserl.rollout.types import Generation, GenerationRequest, KVStats
 
@@ -41,6 +53,8 @@ class StepTrace:
 
 
 class NativeEngine:
+    supports_sessions = True
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -75,6 +89,9 @@ class NativeEngine:
         self._stats = self._fresh_stats()
         self._awake = False
         self._next_seq_id = 0
+        # Slot bookkeeping lives as long as the engine: held sessions keep slots between generate() calls.
+        self.pool = SlotPool(num_slots)
+        self.sessions = SessionTable()
         self.trace: list[StepTrace] | None = None  # set to [] to record every step of the next generate()
         self.wake()
 
@@ -86,6 +103,7 @@ class NativeEngine:
         self._awake = True
 
     def sleep(self) -> None:
+        self.end_sessions()  # the pool tensors go away; nothing may still point into them
         self.runner.release()
         if self.compression is not None:
             self.compression.release()
@@ -94,7 +112,21 @@ class NativeEngine:
         self._awake = False
 
     def update_weights(self, named_tensors) -> None:
+        self.end_sessions()  # held KV was computed with the old weights
         self.runner.load_weights(named_tensors)
+
+    def end_sessions(self, session_ids: Iterable[Hashable] | None = None) -> int:
+        """Release the KV held for these session keys (None: every session); unknown keys (never kept, already
+        ended, or dropped under pool pressure) are ignored. Returns how many sessions were released."""
+        ended = self.sessions.pop(session_ids)
+        for session in ended:
+            self.pool.free(session.slots)
+        self._check_pool()
+        return len(ended)
+
+    def _check_pool(self) -> None:
+        assert self.pool.num_used == self.sessions.held_slots, (
+            f"slots leaked: {self.pool.num_used} in use, {self.sessions.held_slots} held by sessions")
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -114,23 +146,35 @@ class NativeEngine:
         if not self._awake:
             raise RuntimeError("the native engine is asleep; call wake() before generate()")
         seqs = self._make_sequences(requests)
-        pool = SlotPool(self.num_slots)
-        scheduler = Scheduler(pool, self.max_num_seqs, self.max_batch_tokens)
+        pool = self.pool
+        pool.reset_high_water()
+        held = self.sessions.held_slots + sum(len(s.slots) for s in seqs)
+        scheduler = Scheduler(pool, self.max_num_seqs, self.max_batch_tokens, held, self._make_room)
         sampler = Sampler(self.seed)
         for seq in seqs:
             scheduler.add(seq)
         t0 = time.perf_counter()
-        while scheduler.has_work():
-            batch = scheduler.schedule()
-            assert len(batch), "scheduler made no progress"  # reservations are checked up front
-            self._step(batch, scheduler, sampler, progress)
+        try:
+            while scheduler.has_work():
+                batch = scheduler.schedule()
+                if not len(batch):  # reservations are checked up front; only held sessions can block the pool
+                    raise RuntimeError(
+                        f"the KV pool ({self.num_slots} slots) cannot admit the next sequence next to the "
+                        f"{scheduler.held} slots held by sessions that cannot be re-prefilled in it; raise "
+                        "rollout.kv_pool_tokens or end sessions earlier")
+                self._step(batch, scheduler, sampler, progress)
+        except BaseException:
+            self._abandon(seqs)
+            raise
         self._account(seqs, scheduler, pool, time.perf_counter() - t0)
         if self.rescore_seqs > 0:
             self._rescore(seqs)
         return [self._to_generation(s, requests[s.request_index]) for s in seqs]
 
     def _make_sequences(self, requests: list[GenerationRequest]) -> list[Sequence]:
-        seqs = []
+        # Every request is checked before any session is taken, so a bad request leaves the engine as it was.
+        plans = []
+        keys_seen: set = set()
         for i, req in enumerate(requests):
             params = req.params
             params.validate()
@@ -139,28 +183,96 @@ class NativeEngine:
                 raise ValueError(f"request {req.request_id!r}: empty prompt; give at least one token")
             if params.stop_strings and self.tokenizer is None:
                 raise ValueError(f"request {req.request_id!r}: stop_strings need an engine built with a tokenizer")
-            reserve = self._reserve(len(prompt), params.max_new_tokens)
+            keys = session_keys(req.session_id, params.n)
+            for key in keys:
+                if key in keys_seen:
+                    raise ValueError(f"request {req.request_id!r}: session {key!r} appears twice in one generate() call")
+                keys_seen.add(key)
+            if params.n > 1 and keys:
+                taken = [k for k in [req.session_id, *keys] if k in self.sessions]
+                if taken:
+                    raise ValueError(f"request {req.request_id!r}: session {taken[0]!r} is held, and a continued turn has "
+                                     f"n=1 (got n={params.n}); n>1 opens new sessions (id, sample index): end it first")
+            held = self.sessions.get(keys[0]) if keys and params.n == 1 else None
+            if held is not None:
+                check_extends(held.tokens, prompt, keys[0], req.request_id)
+                reserve = self._reserve(len(prompt), params.max_new_tokens, len(held.slots), len(held.tokens))
+            else:
+                reserve = self._reserve(len(prompt), params.max_new_tokens)
             if reserve > self.num_slots:
                 raise ValueError(
                     f"request {req.request_id!r}: a prompt of {len(prompt)} tokens with max_new_tokens="
                     f"{params.max_new_tokens} needs up to {reserve} KV slots, but the pool has {self.num_slots}; "
                     "raise rollout.kv_pool_tokens, shorten the prompt or lower rollout.max_new_tokens"
                 )
-            for j in range(params.n):
-                seqs.append(Sequence(self._next_seq_id, i, j, prompt, params, reserve, seed_index=req.seed_index))
+            plans.append((req, prompt, keys, held is not None, reserve))
+        seqs = []
+        for i, (req, prompt, keys, continues, reserve) in enumerate(plans):
+            for j in range(req.params.n):
+                seq = Sequence(self._next_seq_id, i, j, prompt, req.params, reserve, seed_index=req.seed_index)
                 self._next_seq_id += 1
+                if keys:
+                    seq.session, seq.keep = keys[j], req.keep_session
+                if continues:
+                    session = self.sessions.take(keys[0])
+                    seq.slots, seq.carry = session.slots, session.carry
+                    seq.num_cached = seq.reused = len(session.tokens)
+                seqs.append(seq)
         return seqs
 
-    def _reserve(self, prompt_len: int, max_new_tokens: int) -> int:
-        # The last sampled token is never fed back, so a sequence holds at most prompt + max_new - 1 entries.
-        dense = prompt_len + max_new_tokens - 1
+    def _reserve(self, prompt_len: int, max_new_tokens: int, held_slots: int = 0, reused: int = 0) -> int:
+        """Worst-case slots of a sequence; a continued session starts with `held_slots` entries for the first
+        `reused` prompt tokens and prefills the rest."""
+        cached = held_slots + prompt_len - reused  # entries after prefill
+        # The last sampled token is never fed back, so a sequence holds at most cached + max_new - 1 entries.
+        dense = cached + max_new_tokens - 1
         if self.compression is None:
             return dense
-        return min(dense, self.compression.max_slots(prompt_len, max_new_tokens))
+        return min(dense, self.compression.max_slots(cached, max_new_tokens, floor_len=prompt_len - reused))
+
+    def _make_room(self, head: Sequence, shortfall: int, waiting) -> int:
+        """The scheduler's eviction hook: drop held sessions (`sessions.choose_victims`) so that `shortfall`
+        slots come free for `head`; returns the slots freed (0: nothing dropped)."""
+        fits = lambda seq: self._reserve(len(seq.prompt), seq.params.max_new_tokens) <= self.num_slots  # noqa: E731
+        freed = 0
+        for victim in choose_victims(self.sessions.least_recently_used(), waiting, head, shortfall, fits):
+            if isinstance(victim, Sequence):
+                freed += len(victim.slots)
+                self._restart(victim)
+            else:
+                session = self.sessions.take(victim.key)
+                freed += len(session.slots)
+                self.pool.free(session.slots)
+            self._stats.sessions_dropped += 1
+        return freed
+
+    def _restart(self, seq: Sequence) -> None:
+        """A waiting sequence gives up the session it continues and will prefill its whole prompt."""
+        assert seq.status is Status.WAITING and not seq.output
+        self.pool.free(seq.slots)
+        seq.slots, seq.num_cached, seq.reused, seq.carry = [], 0, 0, None
+        seq.reserve = self._reserve(len(seq.prompt), seq.params.max_new_tokens)
+
+    def _abandon(self, seqs: list[Sequence]) -> None:
+        """After an exception inside generate(): free every slot of this call and drop the sessions it continued
+        or created (their caller never saw the turn); sessions it did not touch stay held."""
+        for seq in seqs:
+            for session in self.sessions.pop([seq.session] if seq.session is not None else []):
+                self.pool.free(session.slots)
+            if seq.slots:
+                self.pool.free(seq.slots)
+                seq.slots = []
+            self.runner.table.forget(seq)
+            if self.compression is not None:
+                self.compression.forget(seq)
+        self._check_pool()
 
     def _step(self, batch: ScheduledBatch, scheduler: Scheduler, sampler: Sampler, progress) -> None:
         on_queries = self.compression.on_queries(batch) if self.compression is not None else None
+        self._stats.prefill_tokens += sum(s.num_pending for s in batch.prefill)
         logits = self.runner.forward(batch, on_queries)  # (decode + prefill rows, V)
+        if self.compression is not None:
+            self.compression.after_forward(batch)
         computed = batch.decode + batch.prefill
         for seq in computed:
             seq.num_cached += seq.num_pending
@@ -178,14 +290,10 @@ class NativeEngine:
             seq.logps.append(lp)
             reason = self._finish_reason(seq, tok)
             if reason is not None:
-                scheduler.finish(seq, reason)
-                sampler.forget(seq)
-                self.runner.table.forget(seq)
-                if self.compression is not None:
-                    self.compression.forget(seq)
+                self._retire(seq, reason, scheduler, sampler)
                 finished += 1
         if self.compression is not None:
-            self.compression.after_step(batch, [s for s in sampled if s.finish_reason is None], scheduler)
+            self.compression.after_step([s for s in sampled if s.finish_reason is None], scheduler)
         self._stats.peak_running = max(self._stats.peak_running, len(scheduler.running) + finished)
         if progress is not None and finished:
             progress(finished)
@@ -199,6 +307,22 @@ class NativeEngine:
                 slots_used=scheduler.pool.num_used,
                 pool_high_water=scheduler.pool.high_water,
             ))
+
+    def _retire(self, seq: Sequence, reason: str, scheduler: Scheduler, sampler: Sampler) -> None:
+        """Finish a sequence; with `keep_session` its slots (and compression state) become a held session."""
+        keep = seq.keep and seq.session is not None
+        scheduler.finish(seq, reason, keep)
+        sampler.forget(seq)
+        self.runner.table.forget(seq)
+        carry = None
+        if self.compression is not None and keep:
+            carry = self.compression.detach(seq)
+        elif self.compression is not None:
+            self.compression.forget(seq)
+        if keep:
+            # The last sampled token was never fed back: the held slots cover tokens[:num_cached].
+            self.sessions.put(seq.session, seq.tokens[: seq.num_cached], seq.slots, carry)
+            seq.slots = []
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
@@ -218,11 +342,14 @@ class NativeEngine:
         return any(s in tail for s in seq.params.stop_strings)
 
     def _account(self, seqs: list[Sequence], scheduler: Scheduler, pool: SlotPool, elapsed: float) -> None:
-        assert pool.num_free == pool.num_slots, "slots leaked"
+        self._check_pool()
+        assert scheduler.held == self.sessions.held_slots and scheduler.reserved == 0, "slot accounting drifted"
         st = self._stats
         st.generate_s += elapsed
         st.new_tokens += sum(len(s.output) for s in seqs)
         st.prompt_tokens += sum(len(s.prompt) for s in seqs)
+        st.sessions_continued += sum(s.reused > 0 for s in seqs)
+        st.session_reused_tokens += sum(s.reused for s in seqs)
         st.peak_slots = max(st.peak_slots, pool.high_water)
         st.peak_running = max(st.peak_running, scheduler.peak_running)
         st.compressions += sum(s.compressions for s in seqs)
@@ -245,8 +372,11 @@ class NativeEngine:
             compressions=seq.compressions,
             compress_s=seq.compress_s,
             compressed_at=list(seq.compressed_at),
+            reused_tokens=seq.reused,
         )
-        return Generation(req.request_id, seq.sample_index, seq.prompt, list(seq.output), list(seq.logps), seq.finish_reason, text, kv)
+        session = seq.session if seq.keep else None
+        return Generation(req.request_id, seq.sample_index, seq.prompt, list(seq.output), list(seq.logps), seq.finish_reason,
+                          text, kv, session)
 
 
 def _default_eos(model, tokenizer) -> set[int]:

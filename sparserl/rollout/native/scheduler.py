@@ -5,6 +5,10 @@ ones. A sequence is admitted while the pool can honour its worst-case need (`Seq
 max_new_tokens dense, or the compression bound), so a running sequence never waits for a slot and nothing
 is preempted. Siblings of one prompt (`n` samples) are admitted together and copy the first one's prefill.
 
+Engine sessions (multi-turn) add `held`: slots owned outside any running reservation, by idle sessions and by
+waiting sequences that continue one. Admission counts them like reservations; when they are what stands in
+the way, `make_room` (the engine's eviction policy) may drop sessions to free them.
+
 Left out on purpose: preemption by recompute (reservation makes it unnecessary), chunked prefill of one
 prompt over several steps, priorities. Plain Python: testable without a model.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from sparserl.rollout.native.sequence import Sequence, Status
 from sparserl.rollout.native.slot_pool import SlotPool
@@ -31,14 +36,21 @@ class ScheduledBatch:
         return len(self.decode) + len(self.prefill) + len(self.forks)
 
 
+# make_room(head, shortfall, waiting) -> slots it freed out of `held` (0: it dropped nothing).
+MakeRoom = Callable[[Sequence, int, "deque[Sequence]"], int]
+
+
 class Scheduler:
-    def __init__(self, pool: SlotPool, max_num_seqs: int = 256, max_batch_tokens: int = 8192) -> None:
+    def __init__(self, pool: SlotPool, max_num_seqs: int = 256, max_batch_tokens: int = 8192, held: int = 0,
+                 make_room: MakeRoom | None = None) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.reserved = 0  # sum of `reserve` over running sequences
+        self.held = held  # slots of idle sessions and of waiting sequences that continue one
+        self.make_room = make_room
         self.step_index = 0
         self.peak_running = 0
 
@@ -52,11 +64,19 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _fits(self, seq: Sequence, batch_tokens: int, prefill_tokens: int) -> bool:
-        return (
-            len(self.running) < self.max_num_seqs
-            and self.reserved + seq.reserve <= self.pool.num_slots
-            and (batch_tokens + prefill_tokens <= self.max_batch_tokens or batch_tokens == 0)
-        )
+        tokens_fit = batch_tokens + prefill_tokens <= self.max_batch_tokens or batch_tokens == 0
+        if len(self.running) >= self.max_num_seqs or not tokens_fit:
+            return False
+        short = self._shortfall(seq)
+        # Dropping sessions helps only when the running reservations alone leave room for this one.
+        if short > 0 and self.make_room is not None and self.reserved + seq.reserve <= self.pool.num_slots:
+            self.held -= self.make_room(seq, short, self.waiting)
+            short = self._shortfall(seq)
+        return short <= 0
+
+    def _shortfall(self, seq: Sequence) -> int:
+        # A continuing sequence's own held slots are part of its reserve, so they are not counted twice.
+        return self.reserved + self.held - len(seq.slots) + seq.reserve - self.pool.num_slots
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(decode=[s for s in self.running])
@@ -91,6 +111,7 @@ class Scheduler:
         seq.admitted_step = self.step_index
         self.running.append(seq)
         self.reserved += seq.reserve
+        self.held -= len(seq.slots)  # a continued session's slots now count in its reservation
 
     def _grow(self, seq: Sequence, n: int) -> None:
         seq.slots.extend(self.pool.allocate(n))
@@ -101,11 +122,15 @@ class Scheduler:
         """Give back slots a compression no longer needs (the sequence keeps its reservation)."""
         self.pool.free(slots)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, keep: bool = False) -> None:
+        """Retire a running sequence; `keep` leaves its slots allocated (the engine holds them as a session)."""
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.running.remove(seq)
         self.reserved -= seq.reserve
         seq.retained_at_finish = len(seq.slots)
+        if keep:
+            self.held += len(seq.slots)
+            return
         self.pool.free(seq.slots)
         seq.slots = []

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any, Hashable
 
 from sparserl.rollout.types import SamplingParams
 
@@ -36,6 +37,13 @@ class Sequence:
     compressed_at: list[int] = field(default_factory=list)  # len(output) at each compression
     admitted_step: int = -1
     seed_index: int | None = None  # keys the sampling stream in place of request_index (GenerationRequest.seed_index)
+    # Engine sessions: the key this sequence's KV is held under when it finishes (None: released), and what
+    # it continues. A continued sequence starts with the session's `slots` and `num_cached = reused`, so only
+    # prompt[reused:] is prefilled; `carry` is the compressor's state for the held cache (None when dense).
+    session: Hashable | None = None
+    keep: bool = False
+    reused: int = 0
+    carry: Any = None
     # Per-request generator state lives in the sampler, keyed by seq_id.
 
     @property

@@ -15,6 +15,10 @@ receive the generations from the owner point-to-point. Data-parallel groups each
 - `sleep` / `wake` are `release_memory_occupation` / `resume_memory_occupation` (KV cache, CUDA graphs and,
   with `release_weights`, the weights). Weights released by `sleep` must be reloaded before `wake`.
 
+- Sessions (`supports_sessions = False`): `session_id` / `keep_session` are ignored; every turn's request
+  carries the whole history and is prefilled from it, with SGLang's radix cache reusing what it still holds
+  of the earlier turns. `Generation.session_id` is None and `end_sessions` does nothing.
+
 SGLang's own `asyncio` loop runs on one helper thread: the env loop calls `generate` from inside its own
 running event loop, where SGLang's `run_until_complete` would refuse to run.
 Left out on purpose: KV compression inside SGLang (compressed rollouts run on the native engine), streaming,
@@ -28,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
 import torch
 
@@ -139,6 +143,8 @@ class _Sample:
 
 
 class SGLangEngine:
+    supports_sessions = False  # multi-turn requests re-prefill; the radix cache shares what it can
+
     def __init__(self, model_path: str, options: SGLangOptions | None = None, tokenizer=None, seed: int = 0,
                  eos_token_ids: Iterable[int] | None = None, group: TPGroup | None = None) -> None:
         self.options = options or SGLangOptions()
@@ -205,6 +211,9 @@ class SGLangEngine:
 
     def reset_stats(self) -> None:
         self._stats = self._fresh_stats()
+
+    def end_sessions(self, session_ids: Iterable[Hashable] | None = None) -> int:
+        return 0  # nothing is held between turns (see `supports_sessions`)
 
     def close(self) -> None:
         if self._engine is not None:
