@@ -77,8 +77,11 @@ def run_main(fn: Callable[[], None]) -> None:
 
     The process group is destroyed on a clean return and on a user error. On an unexpected exception it is
     left to torchrun: peers may be blocked in a collective, a graceful destroy can then hang, and the
-    traceback matters more.
+    traceback matters more. glibc's allocator is tuned first (utils/memory.py `tune_malloc`).
     """
+    from sparserl.utils.memory import tune_malloc
+
+    tune_malloc()
     try:
         fn()
     except _user_error_types() as exc:

@@ -8,6 +8,14 @@ interval can be missed, which is why the whole-run `ru_maxrss` (`mem/peak_gb`) i
 
 `release_free_memory()` hands freed heap pages back to the OS on glibc (`malloc_trim`); the trainer calls it
 between phases so the resident set follows what is live instead of the largest step so far.
+
+`tune_malloc()` (called at start-up by the entry points) fixes glibc's mmap threshold at 1 MiB. By default glibc
+raises the threshold each time a large mmapped block is freed (up to 32 MiB), after which tensors of a few MB
+come from the heap, where freed blocks fragment and stay resident; with a fixed threshold every tensor of 1 MiB or
+more is its own mapping, returned to the OS when freed. Measured on one actor update of the comparison workload
+(SmolLM2-135M fp32, 64 sequences, activation checkpointing, 4096-token micro-batches, one process): update peak
+4.59 -> 3.16 GB, of which 2.73 -> 1.30 GB above the weights and optimizer state. `MALLOC_MMAP_THRESHOLD_` in the
+environment, or `SPARSERL_MALLOC_TUNE=0`, leaves glibc as it is.
 Left out on purpose: per-tensor attribution (use torch.profiler or the CUDA memory snapshot for that).
 """
 from __future__ import annotations
@@ -37,10 +45,11 @@ def peak_rss_gb() -> float:
 
 
 _libc = None
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+MMAP_THRESHOLD_BYTES = 1 << 20
 
 
-def release_free_memory() -> None:
-    """Return free heap memory to the OS (glibc malloc_trim; a no-op elsewhere) and drop CUDA's cached blocks."""
+def _glibc():
     global _libc
     if _libc is None:
         name = ctypes.util.find_library("c")
@@ -48,8 +57,24 @@ def release_free_memory() -> None:
             _libc = ctypes.CDLL(name) if name else False
         except OSError:
             _libc = False
-    if _libc and hasattr(_libc, "malloc_trim"):
-        _libc.malloc_trim(0)
+    return _libc
+
+
+def tune_malloc() -> bool:
+    """Fix glibc's mmap threshold (see the module docstring); True when it was set."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or os.environ.get("SPARSERL_MALLOC_TUNE", "1") == "0":
+        return False
+    libc = _glibc()
+    if not libc or not hasattr(libc, "mallopt") or not hasattr(libc, "malloc_trim"):  # not glibc
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+
+
+def release_free_memory() -> None:
+    """Return free heap memory to the OS (glibc malloc_trim; a no-op elsewhere) and drop CUDA's cached blocks."""
+    libc = _glibc()
+    if libc and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
