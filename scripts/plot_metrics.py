@@ -55,8 +55,9 @@ def moving_average(values: list[float], window: int) -> list[float]:
 
 
 def plot_runs(run_dirs: list[str | Path], key: str, out: str | Path, labels: list[str] | None = None,
-              smooth: int = 1, title: str | None = None) -> Path:
-    """Draw `key` vs step, one line per run, and save a PNG to `out`; returns the output path."""
+              smooth: int = 1, title: str | None = None, max_step: int | None = None) -> Path:
+    """Draw `key` vs step, one line per run (steps up to `max_step` when given), and save a PNG to `out`;
+    returns the output path."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # no pyplot: the caller's backend stays untouched
 
@@ -72,6 +73,9 @@ def plot_runs(run_dirs: list[str | Path], key: str, out: str | Path, labels: lis
     plotted = 0
     for run_dir, label in zip(run_dirs, labels):
         steps, values = read_metric(run_dir, key)
+        if max_step is not None:
+            values = [v for s, v in zip(steps, values) if s <= max_step]
+            steps = [s for s in steps if s <= max_step]
         if not steps:
             print(f"warning: {run_dir} has no values for {key!r}", file=sys.stderr)
             continue
@@ -103,8 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--labels", nargs="+", default=None)
     parser.add_argument("--smooth", type=int, default=1, help="moving-average window (1: none)")
     parser.add_argument("--title", default=None)
+    parser.add_argument("--max-step", type=int, default=None, help="plot steps up to this one only")
     args = parser.parse_args(argv)
-    out = plot_runs(args.run_dirs, args.key, args.out, labels=args.labels, smooth=args.smooth, title=args.title)
+    out = plot_runs(args.run_dirs, args.key, args.out, labels=args.labels, smooth=args.smooth, title=args.title,
+                    max_step=args.max_step)
     print(out)
 
 

@@ -257,6 +257,9 @@ def test_plot_runs_writes_png(tmp_path):
         plot.plot_runs(runs, "actor/loss", tmp_path / "loss.png")
     with pytest.raises(UserError, match="metrics.jsonl"):
         plot.plot_runs([tmp_path / "absent"], "reward/mean", tmp_path / "x.png")
+    with pytest.raises(UserError, match="reward/mean"):  # --max-step before the first step: nothing left to draw
+        plot.plot_runs(runs, "reward/mean", tmp_path / "y.png", max_step=0)
+    assert plot.plot_runs(runs, "reward/mean", tmp_path / "z.png", max_step=3).is_file()
 
 
 def test_tune_malloc_returns_large_frees_to_the_os(tmp_path):
