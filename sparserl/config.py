@@ -44,11 +44,25 @@ class DataConfig:
 
 
 @dataclass
+class OpenRewardConfig:
+    """OpenReward environments (tool use, multi-turn); when envs is set, they replace env.path and data.train_path."""
+
+    # Org/Name -> {splits, num_samples, nonterminal_reward, reward_reduction, min_reward, max_reward, max_turns, weight,
+    # variant} (sparserl/rollout/openreward/spec.py); on the command line: env.openreward.envs={Org/Name: {weight: 2}}
+    envs: dict[str, Any] = field(default_factory=dict)
+    base_url: str = ""  # the environment server; empty: OpenReward's hosted service (or the server of env.openreward.serve)
+    api_key_env: str = "OPENREWARD_API_KEY"  # the environment variable holding the API key (the key is never logged or saved)
+    serve: str = ""  # Python file of Environment classes that rank 0 serves on 127.0.0.1 for the run
+    tool_parser: str = "hermes"  # hermes | mistral | llama3_json: how tool calls are read from the model's text
+
+
+@dataclass
 class EnvConfig:
     path: str = "envs/arithmetic.py"  # Python file with async step(state, action, extra_info) (relative: also to the project)
     max_turns: int = 1  # turns per episode, unless the env module sets its own max_turns
-    step_timeout_s: float = 300.0  # an env step or reset past this ends its sample with status timeout; 0 = no limit
+    step_timeout_s: float = 300.0  # an env step, reset or OpenReward call past this ends its sample with status timeout; 0 = no limit
     max_concurrency: int = 256  # env calls in flight at once per process
+    openreward: OpenRewardConfig = field(default_factory=OpenRewardConfig)
 
 
 @dataclass
@@ -259,7 +273,22 @@ def check_key(key: str) -> None:
         ftype = fields[part].default_factory if fields[part].default_factory is not dataclasses.MISSING else None
         node = ftype if (ftype is not None and dataclasses.is_dataclass(ftype)) else None
         if node is None and i < len(parts) - 1:
+            if ftype is dict:  # a free-form map: its entries are checked with the loaded config (config_checks)
+                path = ".".join(parts[: i + 1])
+                raise UserError(f"unknown config key {key!r}: {path} is a map; give its entries as one value, "
+                                f"{path}={{name: {{key: value}}}}")
             raise UserError(f"unknown config key {key!r}: {'.'.join(parts[: i + 1])} has no sub-keys")
+
+
+def _is_map(key: str) -> bool:
+    """Whether `key` is a free-form map of the schema (`dict` field), which Hydra's struct mode would refuse to extend."""
+    node: Any = Config
+    for part in key.split("."):
+        f = _fields(node).get(part) if dataclasses.is_dataclass(node) else None
+        if f is None or f.default_factory is dataclasses.MISSING:
+            return False
+        node = f.default_factory
+    return node is dict
 
 
 def _override_key(override: str) -> str | None:
@@ -278,10 +307,12 @@ def load_config(overrides: list[str] | None = None, config_name: str = "grpo", c
     from omegaconf.errors import OmegaConfBaseException
 
     overrides = list(overrides or [])
-    for ov in overrides:
+    for i, ov in enumerate(overrides):
         key = _override_key(ov)
         if key is not None:
             check_key(key)
+            if _is_map(key) and not ov.startswith(("+", "~")):  # a map's entries add to those of the config files
+                overrides[i] = "++" + ov
     _register()
     config_dir = Path(config_dir or CONFIG_DIR)
     if not config_dir.exists():

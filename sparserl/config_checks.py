@@ -86,6 +86,8 @@ RULES: dict[str, Rule] = {
     "env.max_turns": COUNT,
     "env.step_timeout_s": NON_NEG,
     "env.max_concurrency": COUNT,
+    "env.openreward.api_key_env": NON_EMPTY,
+    "env.openreward.tool_parser": one_of("hermes", "mistral", "llama3_json"),
     "rollout.engine": one_of("native", "sglang"),
     "rollout.n": COUNT,
     "rollout.max_new_tokens": COUNT,
@@ -167,7 +169,7 @@ RULES: dict[str, Rule] = {
 
 # Keys that take any value of their type: paths, field names, free text, switches.
 FREE = ("model.path", "model.activation_checkpointing", "model.allow_pickle_weights", "data.train_path", "data.system_prompt", "data.shuffle",
-        "env.path", "rollout.release_weights", "rollout.quantize_lm_head", "rollout.kv.compress_prompt",
+        "env.path", "env.openreward.envs", "env.openreward.base_url", "env.openreward.serve", "rollout.release_weights", "rollout.quantize_lm_head", "rollout.kv.compress_prompt",
         "actor.balance_ranks", "actor.fuse_old_logprobs", "actor.share_prompts", "algo.correction.enable", "algo.correction.is_batch_normalize",
         "algo.correction.apply_to_kl", "algo.correction.rejected_in_baseline", "trainer.export_hf", "eval.datasets",
         "eval.data_dir", "eval.output_dir", "logger.progress", "logger.wandb.name")
@@ -227,8 +229,24 @@ def _quantization_device(cfg) -> None:
         raise UserError(f"rollout.quantization={q} is not supported with parallel.device=cpu: {why}")
 
 
+def _openreward(cfg) -> None:
+    from sparserl.rollout.openreward.spec import parse_envs  # plain Python: no SDK, no torch
+
+    o = cfg.env.openreward
+    specs = parse_envs(o.envs)
+    if not specs and (o.serve or o.base_url):
+        raise UserError(f"env.openreward.{'serve' if o.serve else 'base_url'} is set but env.openreward.envs is empty: "
+                        "name the environments to train on (env.openreward.envs={Org/Name: {}})")
+    if o.serve and o.base_url:
+        raise UserError(f"env.openreward.serve={o.serve} and env.openreward.base_url={o.base_url}: give one (a served "
+                        "file gets its own local URL)")
+    if specs and cfg.data.train_path:
+        raise UserError(f"data.train_path={cfg.data.train_path} and env.openreward.envs are both set: OpenReward tasks "
+                        "are the prompts; clear one of them")
+
+
 CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (_kv_fits, _correction_bounds, _dual_clip_is_ppo, _nccl_needs_cuda,
-                                                   _quantization_device)
+                                                   _quantization_device, _openreward)
 
 
 def check_config(cfg: Any) -> None:

@@ -5,16 +5,33 @@ observations; text is decoded only to hand the env its `action`. Per turn:
 
 1. one engine call for every live trajectory (turn 1: each prompt with `params.n`, which the engine
    expands; later turns: each trajectory alone, n=1, its prompt the full token history);
-2. `env.step(state, action, extra_info)` for all of them at once (`asyncio.gather`);
-3. a trajectory goes on while the env says not done, `max_turns` is not reached, its turn was not cut by
-   `max_new_tokens`, and `max_total_tokens` leaves room; the observation is `next_state` minus the
-   `state + action` it must start with, tokenized and appended with loss mask 0 and log-prob 0.
+2. one env step for each of them at once (`asyncio.gather`);
+3. a trajectory goes on while the env says not done, its `max_turns` is not reached, its turn was not cut by
+   `max_new_tokens`, and `max_total_tokens` leaves room; the observation is appended with loss mask 0 and
+   log-prob 0.
 
-Rewards: a trajectory's reward is the sum of its step rewards, its score the last step's score (default:
-its reward). A step that raises, returns a malformed result, or a `next_state` that does not extend
-`state + action`, ends the trajectory with reward 0, score 0 and status "error" ("timeout" for a call past
-`env.step_timeout_s`); the rest go on and one warning line per distinct error is logged. A turn cut by `max_new_tokens` or the context is still scored
-by the env (status "truncated") but not continued. An aborted generation is not scored (reward 0).
+Two kinds of env drive step 2 through one small interface (`EnvDriver`: open, step, close):
+
+- an env module (`env.path`, `_ModuleDriver`): `reset` once per prompt, then `env.step(state, action,
+  extra_info)` on conversation text; the observation is `next_state` minus the `state + action` it must
+  start with, tokenized. A trajectory's reward is the sum of its step rewards, its score the last step's
+  score (default: its reward). A turn cut by `max_new_tokens` or the context is still scored (status
+  "truncated") but not continued.
+- an env object with a `driver(tokenizer, calls)` method, such as the OpenReward envs
+  (`sparserl/rollout/openreward/`): one session per trajectory, opened before turn 1 and closed when the
+  trajectory ends, on every path (done, truncated, error, timeout, abort, or an exception out of this loop).
+  The driver renders the prompt and the observation tokens and books the reward itself.
+
+On an engine with sessions (`supports_sessions`, the native engine) each trajectory's KV cache is kept between
+its turns (`keep_session`; the key is `Generation.session_id`), so a turn prefills only the observation and its
+last token; the request still carries the whole history, so engines without sessions sample the same. The keys
+still held when the rollout ends are released (`engine.end_sessions`), on every path.
+
+A step that raises, returns a malformed result, or a `next_state` that does not extend `state + action`,
+ends the trajectory with reward 0, score 0 and status "error" ("timeout" for an env call past
+`env.step_timeout_s`); the rest go on and one warning line per distinct error is logged. An aborted
+generation is not scored (reward 0). The `n` trajectories of a prompt must open with the same prompt tokens
+(they are sampled as one group); one that does not ends with status "error".
 
 Left out on purpose: splitting a trajectory whose `next_state` rewrites history into several sequences,
 partial rollouts across steps, and per-token rewards.
@@ -27,10 +44,10 @@ import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from sparserl.data.dataset import PromptRow
-from sparserl.rollout.engine import RolloutEngine
+from sparserl.rollout.engine import RolloutEngine, supports_sessions
 from sparserl.rollout.types import Generation, GenerationRequest, KVStats, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -53,14 +70,42 @@ class Sample:
     kv: list[KVStats] = field(default_factory=list)
     compressed_at: list[int] = field(default_factory=list)  # response positions of the first token after each compression
     extra_info: dict[str, Any] = field(default_factory=dict)
+    tool_stats: dict[str, int] = field(default_factory=dict)  # tool envs: calls, malformed, errors, failed
+
+
+@dataclass
+class Opening:
+    """A trajectory as its env opened it."""
+
+    prompt_ids: list[int]  # may be empty where the opening failed
+    status: str | None = None  # None: open; else the status it ends with before any generation
+    error: str = ""  # why it failed, for the log
+    max_turns: int | None = None  # None: the rollout's max_turns
+
+
+class EnvDriver(Protocol):
+    """What the loop needs from an env. Trajectory `k` is sample `k % n` of row `k // n`."""
+
+    async def open(self, rows: list[PromptRow], prompt_texts: list[str], n: int) -> list[Opening]: ...
+
+    async def step(self, k: int, sample: Sample, gen: Generation, action: str, last_turn: bool) -> list[int] | None:
+        """Book the env's answer to this turn into `sample` (reward, score, status); return the observation
+        tokens to append, or None when the trajectory ends here. Raises on env errors."""
+
+    async def close(self, ks: list[int] | None) -> None:
+        """Release what trajectories `ks` (None: all) hold; never raises, returns within a bounded time."""
+
+    def metrics(self, samples: list[Sample]) -> dict[str, float]: ...
 
 
 @dataclass
 class _Live:
     sample: Sample
-    state: str  # conversation text so far, as the env sees it
+    k: int  # trajectory index, row-major
     sample_index: int
+    max_turns: int
     done: bool = False
+    session: Any = None  # the engine's key for this trajectory's held KV (engines with sessions), else None
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
@@ -107,9 +152,60 @@ class _EnvCalls:
             raise EnvTimeout(f"env.{what} did not return within env.step_timeout_s={self.timeout_s:g}") from None
 
 
-async def _step(calls: _EnvCalls, env, state: str, action: str, extra_info: dict) -> dict[str, Any] | BaseException:
+def failure_status(e: BaseException) -> str:
+    return "timeout" if isinstance(e, EnvTimeout) else "error"
+
+
+class _ModuleDriver:
+    """An env module (`sparserl/utils/envload.py`): text states, `reset` per prompt, `step` per turn."""
+
+    def __init__(self, env, tokenizer, calls: _EnvCalls) -> None:
+        self.env, self.tokenizer, self.calls = env, tokenizer, calls
+        self.states: list[str] = []
+
+    async def open(self, rows: list[PromptRow], prompt_texts: list[str], n: int) -> list[Opening]:
+        reset = getattr(self.env, "reset", None)
+        failed: dict[int, BaseException] = {}
+        if reset is not None:  # once per prompt: all n samples of a group start from the same state
+            starts = await asyncio.gather(*(self.calls("reset", reset(copy.deepcopy(_extra(r)))) for r in rows),
+                                          return_exceptions=True)
+            failed = {g: e for g, e in enumerate(starts) if isinstance(e, BaseException)}
+            for e in {f"{type(e).__name__}: {e}" for e in failed.values()}:
+                log.warning("env.reset failed: %s", e[:300])
+            prompt_texts = [t if s is None or isinstance(s, BaseException) else s for t, s in zip(prompt_texts, starts)]
+        self.states = [text for text in prompt_texts for _ in range(n)]
+        out = []
+        for g, text in enumerate(prompt_texts):
+            ids = encode_text(self.tokenizer, text)
+            status = failure_status(failed[g]) if g in failed else None
+            out += [Opening(ids, status) for _ in range(n)]
+        return out
+
+    async def step(self, k: int, sample: Sample, gen: Generation, action: str, last_turn: bool) -> list[int] | None:
+        result = _check_step_result(await self.calls("step", self.env.step(self.states[k], action, sample.extra_info)))
+        sample.reward += float(result["reward"])
+        sample.score = float(result.get("score", sample.reward))
+        if isinstance(result.get("extra_info"), dict):
+            sample.extra_info = result["extra_info"]
+        if gen.finish_reason == "length":
+            sample.status = "truncated"
+            return None
+        if result["done"] or last_turn:
+            return None
+        obs_ids = _observation(self.tokenizer, self.states[k] + action, result.get("next_state"))
+        self.states[k] = result["next_state"]
+        return obs_ids
+
+    async def close(self, ks: list[int] | None) -> None:
+        return None
+
+    def metrics(self, samples: list[Sample]) -> dict[str, float]:
+        return {}
+
+
+async def _guarded(coro):
     try:
-        return _check_step_result(await calls("step", env.step(state, action, extra_info)))
+        return await coro
     except Exception as e:  # noqa: BLE001 - an env bug costs one sample, not the run
         return e
 
@@ -134,29 +230,15 @@ def _append_turn(live: _Live, gen: Generation) -> None:
     s.num_turns += 1
 
 
-def _apply_step(live: _Live, gen: Generation, action: str, result, last_turn: bool, tokenizer, max_total_tokens: int | None) -> bool:
-    """Book one env step into the trajectory; True when it goes on to another turn. Raises on env errors."""
-    if isinstance(result, BaseException):
-        raise result
+def _append_observation(live: _Live, obs_ids: list[int], max_total_tokens: int | None) -> bool:
+    """Append env tokens; False (status truncated) when they leave the model no room to answer."""
     s = live.sample
-    s.reward += float(result["reward"])
-    s.score = float(result.get("score", s.reward))
-    if isinstance(result.get("extra_info"), dict):
-        s.extra_info = result["extra_info"]
-    if gen.finish_reason == "length":
-        s.status, live.done = "truncated", True
-        return False
-    if result["done"] or last_turn:
-        live.done = True
-        return False
-    obs_ids = _observation(tokenizer, live.state + action, result.get("next_state"))
     if max_total_tokens is not None and len(s.prompt_ids) + len(s.response_ids) + len(obs_ids) >= max_total_tokens:
-        s.status, live.done = "truncated", True  # no room left for the model to answer the observation
+        s.status, live.done = "truncated", True
         return False
     s.response_ids += obs_ids
     s.loss_mask += [0] * len(obs_ids)
     s.logp_sparse += [0.0] * len(obs_ids)
-    live.state = result["next_state"]
     return True
 
 
@@ -169,12 +251,39 @@ def _continue_request(live: _Live, i: int, params: SamplingParams, turn: int, ma
     # Distinct seeds per trajectory and turn, still reproducible from the run's seed; with a seed index the
     # trajectory's own key replaces its position among this turn's survivors.
     seed = None if params.seed is None else params.seed + 1_000_003 * turn + (i if seed_index is None else 0)
+    # The engine continues the trajectory's held KV (if it kept it) and keeps it again unless this is the last turn.
+    keep = live.session is not None and turn < live.max_turns
     return GenerationRequest(s.prompt_ids + s.response_ids, params.replace(n=1, max_new_tokens=budget, seed=seed), request_id=i,
-                             seed_index=seed_index)
+                             seed_index=seed_index, session_id=live.session, keep_session=keep)
 
 
 def _fail(live: _Live, status: str) -> None:
     live.sample.reward, live.sample.score, live.sample.status, live.done = 0.0, 0.0, status, True
+
+
+def _open_lives(rows: list[PromptRow], openings: list[Opening], n: int, max_turns: int) -> list[_Live]:
+    """One `_Live` per opening; a group's prompt is its first open trajectory's, and a sibling that opened with
+    other tokens is failed (the engine samples a group from one prompt)."""
+    if len(openings) != len(rows) * n:
+        raise RuntimeError(f"env opened {len(openings)} trajectories for {len(rows)} prompts x {n} samples")
+    lives, mismatched = [], 0
+    for g, row in enumerate(rows):
+        group = openings[g * n : (g + 1) * n]
+        ref = next((o.prompt_ids for o in group if o.status is None), group[0].prompt_ids)
+        for j, o in enumerate(group):
+            lv = _Live(Sample(group=g, prompt_ids=list(ref), extra_info=copy.deepcopy(_extra(row))), g * n + j, j,
+                       o.max_turns or max_turns)
+            if o.status is not None:
+                _fail(lv, o.status)
+            elif o.prompt_ids != ref:
+                mismatched += 1
+                _fail(lv, "error")
+            lives.append(lv)
+    for e in sorted({o.error for o in openings if o.status is not None and o.error}):
+        log.warning("env failed to open a trajectory: %s", e[:300])
+    if mismatched:
+        log.warning("%d trajectories opened with a different prompt than the first sample of their group: failed", mismatched)
+    return lives
 
 
 async def rollout_async(
@@ -196,34 +305,41 @@ async def rollout_async(
         raise ValueError(f"{len(rows)} rows but {len(seed_indices)} seed indices")
     max_turns = max_turns or getattr(env, "max_turns", None) or 1
     calls = _EnvCalls(step_timeout_s, max_concurrency)
-    reset = getattr(env, "reset", None)
-    if reset is not None:  # once per prompt: all n samples of a group start from the same state
-        starts = await asyncio.gather(*(calls("reset", reset(copy.deepcopy(_extra(r)))) for r in rows), return_exceptions=True)
-        failed_resets = {g: e for g, e in enumerate(starts) if isinstance(e, BaseException)}
-        for e in {f"{type(e).__name__}: {e}" for e in failed_resets.values()}:
-            log.warning("env.reset failed: %s", e[:300])
-        prompt_texts = [t if s is None or isinstance(s, BaseException) else s for t, s in zip(prompt_texts, starts)]
-    else:
-        failed_resets = {}
-
+    driver: EnvDriver = env.driver(tokenizer, calls) if callable(getattr(env, "driver", None)) else _ModuleDriver(env, tokenizer, calls)
     lives: list[_Live] = []
+    try:
+        lives = _open_lives(rows, await driver.open(rows, prompt_texts, params.n), params.n, max_turns)
+        await _run_turns(engine, tokenizer, driver, lives, params, max_total_tokens, seed_indices)
+    finally:  # every path, an exception out of the engine included, releases what the env and the engine hold
+        await driver.close(None)
+        held = [lv.session for lv in lives if lv.session is not None]
+        if held:
+            engine.end_sessions(held)
+    samples = [lv.sample for lv in lives]
+    return samples, rollout_metrics(samples) | driver.metrics(samples)
+
+
+async def _run_turns(engine: RolloutEngine, tokenizer, driver: EnvDriver, lives: list[_Live], params: SamplingParams,
+                     max_total_tokens: int | None, seed_indices: list[int] | None) -> None:
+    n, sessions = params.n, supports_sessions(engine)
     requests: list[GenerationRequest] = []
-    for g, (row, text) in enumerate(zip(rows, prompt_texts)):
-        ids = encode_text(tokenizer, text)
-        budget = params.max_new_tokens if max_total_tokens is None else min(params.max_new_tokens, max_total_tokens - len(ids))
-        group = [_Live(Sample(group=g, prompt_ids=ids, extra_info=copy.deepcopy(_extra(row))), text, k) for k in range(params.n)]
-        lives += group
-        if g in failed_resets:  # the episode never started: no generation, reward 0
-            for lv in group:
-                _fail(lv, "timeout" if isinstance(failed_resets[g], EnvTimeout) else "error")
+    for g in range(len(lives) // n):
+        group = lives[g * n : (g + 1) * n]
+        if all(lv.done for lv in group):  # the episode never started: no generation, reward 0
             continue
+        ids = group[0].sample.prompt_ids
+        budget = params.max_new_tokens if max_total_tokens is None else min(params.max_new_tokens, max_total_tokens - len(ids))
         if budget <= 0:  # the prompt alone fills the context
             for lv in group:
-                lv.sample.finish_reason = "length"
-                _fail(lv, "truncated")
+                if not lv.done:
+                    lv.sample.finish_reason = "length"
+                    _fail(lv, "truncated")
             continue
+        # Engines with sessions keep each sample's KV for its next turn (`keep_session`); others ignore the key.
+        keep = sessions and max(lv.max_turns for lv in group) > 1
         requests.append(GenerationRequest(ids, params.replace(max_new_tokens=budget), request_id=g,
-                                          seed_index=None if seed_indices is None else seed_indices[g]))
+                                          seed_index=None if seed_indices is None else seed_indices[g],
+                                          session_id=("rollout", g) if keep else None, keep_session=keep))
 
     # Turn 1 keys generations by (prompt, sample); later turns by (trajectory, 0).
     by_key = _generate(engine, requests, [r.params.n for r in requests]) if requests else {}
@@ -232,34 +348,35 @@ async def rollout_async(
     while active:
         for lv, gen in active:
             _append_turn(lv, gen)
+            lv.session = gen.session_id if sessions else None
         scored = [(lv, gen) for lv, gen in active if gen.finish_reason != "abort"]
         for lv, gen in active:
             if gen.finish_reason == "abort":
                 _fail(lv, "aborted")
         actions = [tokenizer.decode(gen.token_ids, skip_special_tokens=True) for _, gen in scored]
-        results = await asyncio.gather(*(_step(calls, env, lv.state, a, lv.sample.extra_info) for (lv, _), a in zip(scored, actions)))
+        results = await asyncio.gather(*(_guarded(driver.step(lv.k, lv.sample, gen, a, turn >= lv.max_turns))
+                                         for (lv, gen), a in zip(scored, actions)))
 
         errors: Counter[str] = Counter()
         going_on: list[_Live] = []
-        for (lv, gen), action, result in zip(scored, actions, results):
-            try:
-                if _apply_step(lv, gen, action, result, turn >= max_turns, tokenizer, max_total_tokens):
-                    going_on.append(lv)
-            except Exception as e:  # noqa: BLE001 - an env bug costs one sample, not the run
-                errors[f"{type(e).__name__}: {e}"] += 1
-                _fail(lv, "timeout" if isinstance(e, EnvTimeout) else "error")
+        for (lv, _), result in zip(scored, results):
+            if isinstance(result, BaseException):
+                errors[f"{type(result).__name__}: {result}"] += 1
+                _fail(lv, failure_status(result))
+            elif result is None:
+                lv.done = True
+            elif _append_observation(lv, result, max_total_tokens):
+                going_on.append(lv)
         for message, count in errors.items():
             log.warning("env.step failed on %d sample(s) at turn %d: %s", count, turn, message[:300])
+        await driver.close([lv.k for lv, _ in active if lv.done])
 
         turn += 1
         requests = [_continue_request(lv, i, params, turn, max_total_tokens,
-                                      None if seed_indices is None else seed_indices[lv.sample.group] * params.n + lv.sample_index)
+                                      None if seed_indices is None else seed_indices[lv.sample.group] * n + lv.sample_index)
                     for i, lv in enumerate(going_on)]
         by_key = _generate(engine, requests, [1] * len(requests)) if requests else {}
         active = [(lv, by_key[(i, 0)]) for i, lv in enumerate(going_on)]
-
-    samples = [lv.sample for lv in lives]
-    return samples, rollout_metrics(samples)
 
 
 def _extra(row: PromptRow) -> dict[str, Any]:
@@ -288,10 +405,11 @@ def rollout(
     max_concurrency: int | None = None,
 ) -> tuple[list[Sample], dict[str, float]]:
     """Roll out this rank's prompts (`params.n` samples each) through `env`; see the module docstring.
-    `max_turns=None` takes the env's `max_turns` (or 1). `seed_indices` (one per row) key each prompt's
-    sampling streams instead of its position here, so a prompt draws the same samples however the prompts
-    are split across ranks. `step_timeout_s` and `max_concurrency` bound the env calls (`_EnvCalls`). Runs its
-    own event loop; inside a running loop await `rollout_async` instead."""
+    `max_turns=None` takes the env's `max_turns` (or 1); a driver's trajectories may carry their own.
+    `seed_indices` (one per row) key each prompt's sampling streams instead of its position here, so a
+    prompt draws the same samples however the prompts are split across ranks. `step_timeout_s` and
+    `max_concurrency` bound the env calls (`_EnvCalls`). Runs its own event loop; inside a running loop await
+    `rollout_async` instead."""
     return asyncio.run(rollout_async(engine, tokenizer, env, rows, prompt_texts, params, max_turns, max_total_tokens,
                                      seed_indices, step_timeout_s, max_concurrency))
 

@@ -21,13 +21,17 @@ from sparserl.utils.errors import run_main
 
 
 class _Progress:
-    """Engine wrapper that advances a progress bar as sequences finish."""
+    """Engine wrapper that advances a progress bar as sequences finish (multi-turn sessions pass through)."""
 
     def __init__(self, engine, bar):
         self.engine, self.bar = engine, bar
+        self.supports_sessions = getattr(engine, "supports_sessions", False)
 
     def generate(self, requests, progress=None):
         return self.engine.generate(requests, progress=self.bar.update)
+
+    def end_sessions(self, session_ids=None):
+        return self.engine.end_sessions(session_ids)
 
 
 def train(cfg: Config) -> None:
@@ -55,13 +59,15 @@ def train(cfg: Config) -> None:
     preemption = Preemption(cfg.trainer.preempt_signals, info.device)  # from here on a signal ends the run after a step
     set_seed(cfg.trainer.seed, info.rank)
     tokenizer = S.load_tokenizer(inputs.model_path)
-    rows, prompts, max_prompt = S.filter_long_prompts(cfg, inputs.rows, S.format_prompts(cfg, inputs.rows, tokenizer), tokenizer)
-    sampler = S.prompt_sampler(cfg, len(rows), mesh)
+    # The prompts: data rows through env.path, or OpenReward tasks (rank 0 serves env.openreward.serve).
+    task = S.task_env(cfg, inputs, tokenizer, info.rank)
+    rows, prompts = task.rows, task.prompts
+    sampler = S.prompt_sampler(cfg, task, mesh)
     params = S.sampling_params(cfg)
     actor = S.build_actor(cfg, inputs.model_path, mesh, info.device)
     ref = S.build_actor(cfg, inputs.model_path, mesh, info.device, trainable=False) if cfg.algo.kl.coef else None
-    engine = S.build_rollout_engine(cfg, inputs.model_path, tokenizer, info.device,
-                                    S.pool_slots(cfg, max_prompt, cfg.trainer.prompts_per_step // dims.dp), cfg.trainer.seed)
+    num_slots = S.pool_slots(cfg, task.max_prompt, cfg.trainer.prompts_per_step // dims.dp)
+    engine = S.build_rollout_engine(cfg, inputs.model_path, tokenizer, info.device, num_slots, cfg.trainer.seed)
     start = 0
     resume_from = checkpoint.resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
     if resume_from is not None:  # any number of processes: nothing saved depends on it (actor/checkpoint.py)
@@ -107,8 +113,8 @@ def train(cfg: Config) -> None:
         # number of processes (elastic resume) and on the TP ranks of one group.
         engine.seed = cfg.trainer.seed * 1_000_003 + step * 7_919
         with timers("rollout"), progress(len(step_rows) * params.n, f"rollout {step}", info.rank, cfg.logger.progress) as bar:
-            samples, rollout_metrics = rollout(_Progress(engine, bar), tokenizer, inputs.env, step_rows, texts, params,
-                                               max_turns=cfg.env.max_turns,
+            samples, rollout_metrics = rollout(_Progress(engine, bar), tokenizer, task.env, step_rows, texts, params,
+                                               max_turns=cfg.env.max_turns, max_total_tokens=task.max_total_tokens(num_slots),
                                                seed_indices=[dp_rank * share + j for j in range(len(step_rows))],
                                                step_timeout_s=cfg.env.step_timeout_s, max_concurrency=cfg.env.max_concurrency)
         engine.sleep()
@@ -173,6 +179,7 @@ def train(cfg: Config) -> None:
         if cfg.trainer.export_hf:
             export_final(cfg, actor, tokenizer, info.rank)
     logger.close()
+    task.close()
 
 
 def export_final(cfg: Config, actor, tokenizer, rank: int) -> None:

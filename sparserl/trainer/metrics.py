@@ -1,6 +1,7 @@
 """Step metrics that need every rank's view: rewards, lengths, KV use, throughput.
 
-Left out on purpose: per-env breakdowns (envs can put their own numbers in `extra_info`).
+Left out on purpose: per-env breakdowns of env modules (they can put their own numbers in `extra_info`);
+OpenReward runs get `openreward/<env>/samples` and `reward_mean` per env, and `tool/*` counts per sample.
 """
 from __future__ import annotations
 
@@ -59,13 +60,31 @@ def gather_step_metrics(step: int, samples: list[Sample], rollout_metrics: dict,
         "perf/train_tok_s": g["train_tokens"] / m["update_s"] if m["update_s"] else 0.0,
         "perf/step_s": step_s,
     }
-    for key in ("score/mean", "env/turns_mean"):
-        if key in rollout_metrics:
-            out[key] = float(_reduce({key: rollout_metrics[key] * len(samples)}, dist.ReduceOp.SUM, dp_group, device)[key] / n)
+    # Per-sample means of the rollout (tool-call counts of tool envs included) weigh every sample equally.
+    means = sorted(k for k in rollout_metrics if k in ("score/mean", "env/turns_mean") or k.startswith("tool/"))
+    if means:
+        sums = _reduce({k: rollout_metrics[k] * len(samples) for k in means}, dist.ReduceOp.SUM, dp_group, device)
+        out.update({k: float(v / n) for k, v in sums.items()})
+    out.update(_per_env(rollout_metrics, dp_group, device))
     if stats.extra:  # the engine's own `rollout/*` numbers (weight bytes, the re-scored KV share): mean over ranks
         dp = dist.get_world_size(dp_group) if dist.is_initialized() else 1
         out.update({k: v / dp for k, v in _reduce(dict(stats.extra), dist.ReduceOp.SUM, dp_group, device).items()})
     out.update(timers)
+    return out
+
+
+def _per_env(rollout_metrics: dict, dp_group, device) -> dict[str, float]:
+    """`openreward/<env>/samples` and `openreward/<env>/reward_mean` from every rank's counts and reward sums
+    (every rank reports every env of the run, so the keys agree)."""
+    sums = {k: v for k, v in rollout_metrics.items() if k.startswith("openreward/") and k.endswith(("/count", "/reward_sum"))}
+    if not sums:
+        return {}
+    g = _reduce(sums, dist.ReduceOp.SUM, dp_group, device)
+    out = {}
+    for key in (k for k in g if k.endswith("/count")):
+        env = key[: -len("/count")]
+        out[f"{env}/samples"] = g[key]
+        out[f"{env}/reward_mean"] = g[f"{env}/reward_sum"] / g[key] if g[key] else 0.0
     return out
 
 

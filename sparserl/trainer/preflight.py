@@ -16,6 +16,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from sparserl.config import Config
 from sparserl.data.dataset import PromptRow, load_prompts, rows_from_records
@@ -26,10 +27,11 @@ from sparserl.utils.errors import UserError
 
 @dataclass
 class Inputs:
-    env: EnvModule
-    rows: list[PromptRow]
+    env: EnvModule | None  # None with OpenReward envs
+    rows: list[PromptRow]  # empty with OpenReward envs: their tasks are listed once the processes are up
     model_path: str
     eval_sets: list[EvalSet] = field(default_factory=list)  # trainer.eval_every > 0
+    openreward: Any = None  # OpenRewardEnvs (sparserl/rollout/openreward/), when env.openreward.envs is set
 
 
 def validate_inputs(cfg: Config) -> Inputs:
@@ -39,9 +41,12 @@ def validate_inputs(cfg: Config) -> Inputs:
         check_config(cfg)
     check_output_dir(cfg.trainer.output_dir)
     check_resume(cfg.trainer.resume)
-    env = checked_env(cfg.env.path)
+    openreward = bool(cfg.env.openreward.envs)
+    env = None if openreward else checked_env(cfg.env.path)
     try:
-        if cfg.data.train_path:
+        if openreward:
+            rows = []
+        elif cfg.data.train_path:
             rows = load_prompts(cfg.data.train_path, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.messages_key,
                                 cfg.data.answer_extract)
         elif env.make_prompts is not None:
@@ -52,7 +57,7 @@ def validate_inputs(cfg: Config) -> Inputs:
             raise UserError(f"data.train_path is empty and env.path={cfg.env.path} has no make_prompts(); give a data file")
     except ValueError as e:
         raise UserError(str(e)) from None
-    if not rows:
+    if not rows and not openreward:
         raise UserError(f"data.train_path={cfg.data.train_path}: no rows")
     eval_sets = load_eval_sets(cfg.eval) if cfg.trainer.eval_every > 0 else []
     from sparserl.actor.hf import resolve_model_path  # imports torch, so it comes last
@@ -60,7 +65,28 @@ def validate_inputs(cfg: Config) -> Inputs:
     model_path = resolve_model_path(cfg.model.path)
     check_weight_files(model_path, cfg.model.allow_pickle_weights)
     check_free_disk(cfg.trainer.output_dir, model_path)
-    return Inputs(env=env, rows=rows, model_path=model_path, eval_sets=eval_sets)
+    envs = checked_openreward(cfg) if openreward else None
+    return Inputs(env=env, rows=rows, model_path=model_path, eval_sets=eval_sets, openreward=envs)
+
+
+def checked_openreward(cfg: Config):
+    """The run's OpenReward envs; the file of `env.openreward.serve` is imported here to name its classes."""
+    import importlib.util
+
+    if importlib.util.find_spec("openreward") is None:
+        raise UserError('env.openreward.envs needs the OpenReward SDK: pip install -e ".[envs]"')
+    from sparserl.rollout.openreward.serve import environment_classes
+    from sparserl.rollout.openreward.tasks import resolve_envs
+
+    served = None
+    if cfg.env.openreward.serve:
+        try:
+            served = [c.__name__ for c in environment_classes(cfg.env.openreward.serve)]
+        except (ImportError, TypeError) as e:
+            raise UserError(f"env.openreward.serve={cfg.env.openreward.serve}: {type(e).__name__}: {e}") from None
+        except SyntaxError as e:
+            raise UserError(f"env.openreward.serve={cfg.env.openreward.serve}: not a Python file: {e.msg} (line {e.lineno})") from None
+    return resolve_envs(cfg.env.openreward, served)
 
 
 def check_weight_files(model_path: str, allow_pickle: bool) -> None:

@@ -9,8 +9,9 @@ Left out on purpose: building a second model for evaluation (it runs on the roll
 from __future__ import annotations
 
 import dataclasses
-
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,7 +19,7 @@ from sparserl.actor.actor import Actor
 from sparserl.actor.hf import load_model, load_tokenizer
 from sparserl.config import Config, to_dict, to_yaml
 from sparserl.data.dataset import PromptRow, format_prompt
-from sparserl.data.sampler import PromptSampler
+from sparserl.data.sampler import MixtureSampler, PromptSampler
 from sparserl.kv import KVPolicyConfig
 from sparserl.parallel import DistInfo, ParallelDims, init_distributed
 from sparserl.rollout.engine import build_engine
@@ -55,6 +56,75 @@ def filter_long_prompts(cfg: Config, rows: list[PromptRow], prompts: list[str], 
     if len(keep) < len(rows):
         log0(f"skipping {len(rows) - len(keep)} of {len(rows)} prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
     return [rows[i] for i in keep], [prompts[i] for i in keep], max(lengths[i] for i in keep)
+
+
+@dataclass
+class TaskEnv:
+    """What the rollout runs on: the env (an env module, or OpenReward envs) and its prompt rows."""
+
+    env: Any  # EnvModule | OpenRewardEnvs
+    rows: list[PromptRow]
+    prompts: list[str]  # prompt texts (OpenReward: labels; the session renders the real prompt)
+    max_prompt: int  # longest prompt in tokens (OpenReward: measured on one task per env)
+    sizes: list[int] = field(default_factory=list)  # OpenReward: rows per env, in config order
+    weights: list[float] = field(default_factory=list)
+    server: Any = None  # the ServerProcess rank 0 started for env.openreward.serve
+
+    @property
+    def openreward(self) -> bool:
+        return bool(self.sizes)
+
+    def max_total_tokens(self, num_slots: int) -> int | None:
+        """Tool episodes grow turn by turn: cap a trajectory at what one engine pool can hold (status truncated)."""
+        return num_slots if self.openreward else None
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+def task_env(cfg: Config, inputs: Inputs, tokenizer, rank: int) -> TaskEnv:
+    """The data rows through `env.path`, or the OpenReward tasks. For those, rank 0 starts the server of
+    `env.openreward.serve` (the others wait for its URL), lists the tasks and measures one prompt per env,
+    and every rank receives the same rows."""
+    if inputs.openreward is None:
+        rows, prompts, max_prompt = filter_long_prompts(cfg, inputs.rows, format_prompts(cfg, inputs.rows, tokenizer), tokenizer)
+        return TaskEnv(inputs.env, rows, prompts, max_prompt)
+    import atexit
+
+    import torch.distributed as dist
+
+    from sparserl.rollout.openreward.serve import ServerProcess
+    from sparserl.rollout.openreward.tasks import env_sizes, probe_prompt_tokens, task_rows
+
+    envs, server, payload = inputs.openreward, None, [None]
+    if rank == 0:
+        try:
+            if cfg.env.openreward.serve:
+                out = Path(cfg.trainer.output_dir)
+                out.mkdir(parents=True, exist_ok=True)
+                server = ServerProcess.start(cfg.env.openreward.serve, log_path=out / "openreward_server.log")
+                atexit.register(server.stop)
+                envs.base_url = server.url
+                log0(f"env.openreward.serve: serving {cfg.env.openreward.serve} at {server.url} "
+                     f"(log: {out / 'openreward_server.log'})")
+            rows = task_rows(envs)
+            payload = [(envs.base_url, rows, probe_prompt_tokens(envs, tokenizer, rows, cfg.env.step_timeout_s or 120.0))]
+        except UserError as e:
+            payload = [e]
+        except (RuntimeError, TimeoutError, OSError) as e:  # the served file's server did not come up
+            log = f" (its log: {server.log_path})" if server is not None else f" (its log: {cfg.trainer.output_dir}/openreward_server.log)"
+            payload = [UserError(f"env.openreward: {type(e).__name__}: {e}{log if cfg.env.openreward.serve else ''}")]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(payload, src=0)
+    if isinstance(payload[0], UserError):
+        raise payload[0]
+    envs.base_url, rows, max_prompt = payload[0]
+    sizes = env_sizes(envs, rows)
+    log0("env.openreward: " + ", ".join(f"{s.name} {n} tasks (weight {s.weight:g}, max_turns {s.max_turns})"
+                                       for s, n in zip(envs.specs, sizes)) + f"; longest first prompt {max_prompt} tokens")
+    return TaskEnv(envs, rows, [r.prompt for r in rows], max_prompt, sizes, [s.weight for s in envs.specs], server)
 
 
 def kv_policy(cfg: Config) -> KVPolicyConfig:
@@ -129,9 +199,14 @@ def resolve_precision(cfg: Config, device: torch.device) -> None:
         log0(f"cpu threads per process: {torch.get_num_threads()}")
 
 
-def prompt_sampler(cfg: Config, num_rows: int, mesh) -> PromptSampler:
+def prompt_sampler(cfg: Config, task: TaskEnv, mesh) -> PromptSampler | MixtureSampler:
+    """Uniform over the rows; with several OpenReward envs, each batch mixed by their weights."""
     dp = mesh["dp"]
-    return PromptSampler(num_rows, cfg.trainer.prompts_per_step, dp.get_local_rank(), dp.size(), cfg.trainer.seed, cfg.data.shuffle)
+    if len(task.sizes) > 1:
+        return MixtureSampler(task.sizes, task.weights, cfg.trainer.prompts_per_step, dp.get_local_rank(), dp.size(),
+                              cfg.trainer.seed, cfg.data.shuffle)
+    return PromptSampler(len(task.rows), cfg.trainer.prompts_per_step, dp.get_local_rank(), dp.size(), cfg.trainer.seed,
+                         cfg.data.shuffle)
 
 
 def open_output(cfg: Config, rank: int, tokenizer_loaded) -> MetricsLogger:
@@ -144,5 +219,5 @@ def open_output(cfg: Config, rank: int, tokenizer_loaded) -> MetricsLogger:
                          total_steps=cfg.trainer.total_steps)
 
 
-__all__ = ["Inputs", "validate_inputs", "format_prompts", "sampling_params", "pool_slots", "build_rollout_engine", "build_actor",
+__all__ = ["Inputs", "validate_inputs", "TaskEnv", "task_env", "format_prompts", "sampling_params", "pool_slots", "build_rollout_engine", "build_actor",
            "start_processes", "resolve_precision", "prompt_sampler", "open_output", "load_tokenizer", "filter_long_prompts"]

@@ -11,8 +11,9 @@ like rows of a data file: "prompt" and "answer") and `extract_answer(response: s
 answer that `step` checks, so evaluation can compare samples' answers for maj@n). `state` is the whole conversation text so far, `action`
 this turn's response; a multi-turn env returns `next_state = state + action + observation`.
 
-Left out on purpose: Gym-style classes, env pools and tool schemas; an env that needs them builds them
-inside its own module.
+Left out on purpose: Gym-style classes and env pools; an env that needs them builds them inside its own
+module. Tool-use envs with sessions and tool schemas are OpenReward envs (`env.openreward.*`,
+sparserl/rollout/openreward/), not env modules.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from sparserl.config_checks import FREE, RULES
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = 4  # subprocesses at once: most of their time is interpreter start-up and imports
-SLOW = ("chat_template_rejects", "model_path_file", "model_path_missing")  # they import torch: started first
+SLOW = ("chat_template_rejects", "model_path_file", "model_path_missing", "openreward_serve_class")  # they import torch: started first
 
 REJECTING_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}"
                       "{{ raise_exception('System role not supported') }}{% endif %}"
@@ -81,6 +81,12 @@ CASES = [
     ("data.num_generated", ["data.num_generated=0"], "data.num_generated=0: must be >= 1"),
     ("data.max_prompt_tokens", ["data.max_prompt_tokens=-5"], "data.max_prompt_tokens=-5"),
     ("env.max_turns", ["env.max_turns=0"], "env.max_turns=0"),
+    ("env.openreward.api_key_env", ["env.openreward.api_key_env=''"], "env.openreward.api_key_env='': must be a non-empty string"),
+    ("env.openreward.tool_parser", ["env.openreward.tool_parser=xml"],
+     "env.openreward.tool_parser=xml: must be one of hermes, mistral, llama3_json"),
+    ("openreward_env_key", ["env.openreward.envs={local/Calc: {wieght: 2}}"], "env.openreward.envs.local/Calc.wieght; did you mean weight?"),
+    ("openreward_serve_class", ["env.openreward.serve=envs/tool_use.py", "env.openreward.envs={local/CalcArithmetc: {}}"],
+     "serves no environment 'calcarithmetc'; did you mean CalcArithmetic?"),
     ("rollout.engine", ["rollout.engine=vllm"], "rollout.engine=vllm: must be one of native, sglang"),
     ("rollout.n", ["rollout.n=0"], "rollout.n=0: must be >= 1"),
     ("rollout.max_new_tokens", ["rollout.max_new_tokens=0"], "rollout.max_new_tokens=0: must be >= 1"),
@@ -245,7 +251,7 @@ def results(tmp_path_factory):
     data.mkdir()
     write_data(data)
     ckpt = rejecting_checkpoint(root)
-    fill = lambda a: a.format(data=data, ckpt=ckpt)  # noqa: E731
+    fill = lambda a: a.replace("{data}", str(data)).replace("{ckpt}", str(ckpt))  # noqa: E731 - overrides may hold braces
     jobs = {}
     for case_id, overrides, _ in CASES:
         out = root / "out" / case_id
@@ -329,6 +335,9 @@ def test_listed_names_match_their_registries():
     assert names("logger.wandb.mode") == set(WANDB_MODES)
     assert names("data.answer_extract") == set(ANSWER_EXTRACTORS)
     assert names("data.apply_chat_template") == set(CHAT_TEMPLATE_MODES)
+    from sparserl.rollout.tool_parsers import TOOL_PARSERS
+
+    assert names("env.openreward.tool_parser") == set(TOOL_PARSERS)
 
 
 def test_pickle_weights_need_opt_in_and_a_full_disk_is_refused(tmp_path):
