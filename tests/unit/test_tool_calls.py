@@ -148,3 +148,61 @@ def test_env_weights_set_the_mix_of_every_batch():
     assert [a.next().global_indices for _ in range(3)] == [b.next().global_indices for _ in range(3)]
     with pytest.raises(ValueError, match="resuming would change the mix"):
         MixtureSampler([10, 4], [1, 1], 6, seed=3).load_state_dict(a.state_dict())
+
+
+# A small ChatML template that renders tools itself (as Qwen-style templates do): schemas in a system block, tool
+# results as <tool_response> blocks in one user turn, consecutive results merged.
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\nTools:' }}{% for t in tools %}{{ '\\n' + (t | tojson) }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+NO_TOOL_ROLE = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
+                "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def _with_template(smollm2_tokenizer_dir, template):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    tok.chat_template = template
+    return tok
+
+
+def test_tools_rendered_by_a_template_that_knows_them(smollm2_tokenizer_dir, tokenizer):
+    from sparserl.rollout.tool_chat import ToolChat, ToolResult, tool_schema
+
+    calc = tool_schema("calc", "Evaluate.", {"title": "Expr", "type": "object", "required": ["expression"],
+                                             "properties": {"expression": {"title": "Expression", "type": "string"}}})
+    assert calc["function"]["parameters"] == {"type": "object", "required": ["expression"],
+                                               "properties": {"expression": {"type": "string"}}}  # titles dropped
+    user = [{"role": "user", "content": "What is 6 * 7?"}]
+    tok = _with_template(smollm2_tokenizer_dir, TOOLS_TEMPLATE)
+    chat = ToolChat(tok, get_parser("hermes"))
+    assert chat.native_tools and chat.end_of_turn == "<|im_end|>\n"  # what the template writes after a message
+    prompt = chat.prompt(user, [calc], terminal="submit")
+    assert prompt == tok.apply_chat_template(user, tools=[calc], add_generation_prompt=True, tokenize=False)
+    assert prompt.startswith('<|im_start|>system\nTools:\n{"type": "function"') and "You can call tools" not in prompt
+    turn = tok.encode(CALC + "<|im_end|>", add_special_tokens=False)
+    two = [ToolResult("call_0", "calc", "42"), ToolResult("call_1", "calc", "Error: division by zero", True)]
+    assert chat.observation(two, turn) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n"
+                                           "Error: division by zero\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # a turn that ended without the end-of-turn token (a stop string) is closed first
+    assert chat.observation(two[:1], turn[:-1]).startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n42")
+
+    fallback = ToolChat(tokenizer, get_parser("hermes"))  # SmolLM2's own template ignores tools=
+    assert not fallback.native_tools
+    prompt = fallback.prompt(user, [calc], terminal="submit: The final answer.")
+    assert prompt.startswith("<|im_start|>system\nYou can call tools. Their signatures, one JSON object per line:\n<tools>\n"
+                             '{"type": "function", "function": {"name": "calc"')
+    assert "ends the episode (submit: The final answer.)" in prompt and prompt.endswith(
+        "<|im_start|>user\nWhat is 6 * 7?<|im_end|>\n<|im_start|>assistant\n")
+
+    no_role = ToolChat(_with_template(smollm2_tokenizer_dir, NO_TOOL_ROLE), get_parser("hermes"))
+    assert no_role.observation(two[:1], turn) == ('\n<|im_start|>user\n<tool_response>\n{"name": "calc", "content": "42"}\n'
+                                                  '</tool_response><|im_end|>\n<|im_start|>assistant\n')
