@@ -12,7 +12,7 @@ observations; text is decoded only to hand the env its `action`. Per turn:
 
 Two kinds of env drive step 2 through one small interface (`EnvDriver`: open, step, close):
 
-- an env module (`env.path`, `_ModuleDriver`): `reset` once per prompt, then `env.step(state, action,
+- an env module (`env.path`, `ModuleDriver` in env_module.py): `reset` once per prompt, then `env.step(state, action,
   extra_info)` on conversation text; the observation is `next_state` minus the `state + action` it must
   start with, tokenized. A trajectory's reward is the sum of its step rewards, its score the last step's
   score (default: its reward). A turn cut by `max_new_tokens` or the context is still scored (status
@@ -43,59 +43,20 @@ import copy
 import logging
 import math
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from sparserl.data.dataset import PromptRow
 from sparserl.rollout.engine import RolloutEngine, supports_sessions
-from sparserl.rollout.types import Generation, GenerationRequest, KVStats, SamplingParams
+from sparserl.rollout.env_module import ModuleDriver
+# The env loop's vocabulary lives in episode.py; these names are imported from here by the trainer and tests.
+from sparserl.rollout.episode import (EnvCalls, EnvDriver, EnvTimeout, Opening, Sample, encode_text,  # noqa: F401
+                                      failure_status, row_extra)
+from sparserl.rollout.types import Generation, GenerationRequest, SamplingParams
+
+_EnvCalls = EnvCalls  # the name tests and older callers use
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Sample:
-    """One trajectory. All samples of a prompt share `group` and sit next to each other."""
-
-    group: int
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)  # model and env tokens, in order
-    loss_mask: list[int] = field(default_factory=list)  # 1 = model token, 0 = env token
-    logp_sparse: list[float] = field(default_factory=list)  # sampler log-probs; 0.0 at env tokens
-    reward: float = 0.0
-    score: float = 0.0
-    status: str = "ok"  # ok | truncated | error | timeout | aborted
-    num_turns: int = 0
-    finish_reason: str = ""
-    kv: list[KVStats] = field(default_factory=list)
-    compressed_at: list[int] = field(default_factory=list)  # response positions of the first token after each compression
-    extra_info: dict[str, Any] = field(default_factory=dict)
-    tool_stats: dict[str, int] = field(default_factory=dict)  # tool envs: calls, malformed, errors, failed
-
-
-@dataclass
-class Opening:
-    """A trajectory as its env opened it."""
-
-    prompt_ids: list[int]  # may be empty where the opening failed
-    status: str | None = None  # None: open; else the status it ends with before any generation
-    error: str = ""  # why it failed, for the log
-    max_turns: int | None = None  # None: the rollout's max_turns
-
-
-class EnvDriver(Protocol):
-    """What the loop needs from an env. Trajectory `k` is sample `k % n` of row `k // n`."""
-
-    async def open(self, rows: list[PromptRow], prompt_texts: list[str], n: int) -> list[Opening]: ...
-
-    async def step(self, k: int, sample: Sample, gen: Generation, action: str, last_turn: bool) -> list[int] | None:
-        """Book the env's answer to this turn into `sample` (reward, score, status); return the observation
-        tokens to append, or None when the trajectory ends here. Raises on env errors."""
-
-    async def close(self, ks: list[int] | None) -> None:
-        """Release what trajectories `ks` (None: all) hold; never raises, returns within a bounded time."""
-
-    def metrics(self, samples: list[Sample]) -> dict[str, float]: ...
 
 
 @dataclass
@@ -106,101 +67,6 @@ class _Live:
     max_turns: int
     done: bool = False
     session: Any = None  # the engine's key for this trajectory's held KV (engines with sessions), else None
-
-
-def encode_text(tokenizer, text: str) -> list[int]:
-    """Token ids of a prompt: the text carries its own special tokens; a BOS is added only where the
-    tokenizer normally adds one and the text lacks it."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    bos = getattr(tokenizer, "bos_token", None)
-    if bos and getattr(tokenizer, "add_bos_token", False) and not text.startswith(bos):
-        ids = [tokenizer.bos_token_id] + ids
-    return ids
-
-
-def _check_step_result(result: Any) -> dict[str, Any]:
-    if not isinstance(result, dict) or "reward" not in result or "done" not in result:
-        raise TypeError(f"env.step must return a dict with at least 'reward' and 'done', got {result!r:.200}")
-    return result
-
-
-class EnvTimeout(Exception):
-    """An env call that did not return within `env.step_timeout_s`."""
-
-
-class _EnvCalls:
-    """Env calls under a time limit and a cap on how many run at once (`env.step_timeout_s`, `env.max_concurrency`).
-
-    A call past its limit is cancelled and its sample ends with status "timeout". Only awaiting calls can be
-    cancelled: an env that blocks the event loop (sleeps or computes without awaiting) must move that work to
-    a thread (`asyncio.to_thread`) for the limit to apply."""
-
-    def __init__(self, timeout_s: float | None, max_concurrency: int | None) -> None:
-        self.timeout_s = timeout_s if timeout_s and timeout_s > 0 else None
-        self.gate = asyncio.Semaphore(max_concurrency) if max_concurrency and max_concurrency > 0 else None
-
-    async def __call__(self, what: str, coro):
-        if self.gate is None:
-            return await self._timed(what, coro)
-        async with self.gate:
-            return await self._timed(what, coro)
-
-    async def _timed(self, what: str, coro):
-        try:
-            return await asyncio.wait_for(coro, self.timeout_s)
-        except asyncio.TimeoutError:
-            raise EnvTimeout(f"env.{what} did not return within env.step_timeout_s={self.timeout_s:g}") from None
-
-
-def failure_status(e: BaseException) -> str:
-    return "timeout" if isinstance(e, EnvTimeout) else "error"
-
-
-class _ModuleDriver:
-    """An env module (`sparserl/utils/envload.py`): text states, `reset` per prompt, `step` per turn."""
-
-    def __init__(self, env, tokenizer, calls: _EnvCalls) -> None:
-        self.env, self.tokenizer, self.calls = env, tokenizer, calls
-        self.states: list[str] = []
-
-    async def open(self, rows: list[PromptRow], prompt_texts: list[str], n: int) -> list[Opening]:
-        reset = getattr(self.env, "reset", None)
-        failed: dict[int, BaseException] = {}
-        if reset is not None:  # once per prompt: all n samples of a group start from the same state
-            starts = await asyncio.gather(*(self.calls("reset", reset(copy.deepcopy(_extra(r)))) for r in rows),
-                                          return_exceptions=True)
-            failed = {g: e for g, e in enumerate(starts) if isinstance(e, BaseException)}
-            for e in {f"{type(e).__name__}: {e}" for e in failed.values()}:
-                log.warning("env.reset failed: %s", e[:300])
-            prompt_texts = [t if s is None or isinstance(s, BaseException) else s for t, s in zip(prompt_texts, starts)]
-        self.states = [text for text in prompt_texts for _ in range(n)]
-        out = []
-        for g, text in enumerate(prompt_texts):
-            ids = encode_text(self.tokenizer, text)
-            status = failure_status(failed[g]) if g in failed else None
-            out += [Opening(ids, status) for _ in range(n)]
-        return out
-
-    async def step(self, k: int, sample: Sample, gen: Generation, action: str, last_turn: bool) -> list[int] | None:
-        result = _check_step_result(await self.calls("step", self.env.step(self.states[k], action, sample.extra_info)))
-        sample.reward += float(result["reward"])
-        sample.score = float(result.get("score", sample.reward))
-        if isinstance(result.get("extra_info"), dict):
-            sample.extra_info = result["extra_info"]
-        if gen.finish_reason == "length":
-            sample.status = "truncated"
-            return None
-        if result["done"] or last_turn:
-            return None
-        obs_ids = _observation(self.tokenizer, self.states[k] + action, result.get("next_state"))
-        self.states[k] = result["next_state"]
-        return obs_ids
-
-    async def close(self, ks: list[int] | None) -> None:
-        return None
-
-    def metrics(self, samples: list[Sample]) -> dict[str, float]:
-        return {}
 
 
 async def _guarded(coro):
@@ -271,7 +137,7 @@ def _open_lives(rows: list[PromptRow], openings: list[Opening], n: int, max_turn
         group = openings[g * n : (g + 1) * n]
         ref = next((o.prompt_ids for o in group if o.status is None), group[0].prompt_ids)
         for j, o in enumerate(group):
-            lv = _Live(Sample(group=g, prompt_ids=list(ref), extra_info=copy.deepcopy(_extra(row))), g * n + j, j,
+            lv = _Live(Sample(group=g, prompt_ids=list(ref), extra_info=copy.deepcopy(row_extra(row))), g * n + j, j,
                        o.max_turns or max_turns)
             if o.status is not None:
                 _fail(lv, o.status)
@@ -304,8 +170,8 @@ async def rollout_async(
     if seed_indices is not None and len(seed_indices) != len(rows):
         raise ValueError(f"{len(rows)} rows but {len(seed_indices)} seed indices")
     max_turns = max_turns or getattr(env, "max_turns", None) or 1
-    calls = _EnvCalls(step_timeout_s, max_concurrency)
-    driver: EnvDriver = env.driver(tokenizer, calls) if callable(getattr(env, "driver", None)) else _ModuleDriver(env, tokenizer, calls)
+    calls = EnvCalls(step_timeout_s, max_concurrency)
+    driver: EnvDriver = env.driver(tokenizer, calls) if callable(getattr(env, "driver", None)) else ModuleDriver(env, tokenizer, calls)
     lives: list[_Live] = []
     try:
         lives = _open_lives(rows, await driver.open(rows, prompt_texts, params.n), params.n, max_turns)
@@ -379,18 +245,6 @@ async def _run_turns(engine: RolloutEngine, tokenizer, driver: EnvDriver, lives:
         active = [(lv, by_key[(i, 0)]) for i, lv in enumerate(going_on)]
 
 
-def _extra(row: PromptRow) -> dict[str, Any]:
-    return {**row.extra, "answer": row.answer, "index": row.index}
-
-
-def _observation(tokenizer, prefix: str, next_state: Any) -> list[int]:
-    if not isinstance(next_state, str):
-        raise TypeError(f"env.step returned done=False but next_state={next_state!r:.80} is not a string")
-    if not next_state.startswith(prefix):
-        raise ValueError("env.step returned a next_state that does not start with state + action")
-    return tokenizer.encode(next_state[len(prefix) :], add_special_tokens=False)
-
-
 def rollout(
     engine: RolloutEngine,
     tokenizer,
@@ -408,7 +262,7 @@ def rollout(
     `max_turns=None` takes the env's `max_turns` (or 1); a driver's trajectories may carry their own.
     `seed_indices` (one per row) key each prompt's sampling streams instead of its position here, so a
     prompt draws the same samples however the prompts are split across ranks. `step_timeout_s` and
-    `max_concurrency` bound the env calls (`_EnvCalls`). Runs its own event loop; inside a running loop await
+    `max_concurrency` bound the env calls (`EnvCalls`). Runs its own event loop; inside a running loop await
     `rollout_async` instead."""
     return asyncio.run(rollout_async(engine, tokenizer, env, rows, prompt_texts, params, max_turns, max_total_tokens,
                                      seed_indices, step_timeout_s, max_concurrency))

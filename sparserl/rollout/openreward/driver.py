@@ -39,7 +39,7 @@ from sparserl.rollout.openreward.spec import EnvSpec
 from sparserl.rollout.tool_chat import ToolChat, ToolResult, tool_schema
 from sparserl.rollout.tool_parsers import MalformedCall, get_parser
 from sparserl.rollout.types import Generation
-from sparserl.rollout.worker import Opening, Sample, encode_text, failure_status
+from sparserl.rollout.episode import Opening, Sample, encode_text, failure_status
 
 os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("OPENREWARD_LOG_LEVEL", "WARNING")

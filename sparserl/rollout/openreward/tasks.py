@@ -96,10 +96,10 @@ def env_sizes(envs: OpenRewardEnvs, rows: list[PromptRow]) -> list[int]:
 
 
 async def _probe(envs: OpenRewardEnvs, tokenizer, rows: list[PromptRow], timeout_s: float) -> int:
-    from sparserl.rollout.worker import _EnvCalls
+    from sparserl.rollout.episode import EnvCalls
 
     first = [next(r for r in rows if r.extra[ROW_KEY]["env"] == s.name) for s in envs.specs]
-    driver = envs.driver(tokenizer, _EnvCalls(timeout_s, None))
+    driver = envs.driver(tokenizer, EnvCalls(timeout_s, None))
     try:
         openings = await driver.open(first, [r.prompt for r in first], 1)
     finally:
