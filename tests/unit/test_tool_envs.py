@@ -221,10 +221,12 @@ def test_16_sessions_with_the_native_engine_mask_exactly_the_model_tokens(server
     envs = _envs(server.url, [_spec("local/CalcArithmetic"), _spec("local/GuessNumber")])
     rows = _rows([("local/CalcArithmetic", i) for i in range(3)] + [("local/GuessNumber", 0)])
     engine = NativeEngine(model, tok, num_slots=16384, seed=0)
+    watched = _OpenSessionsPerTurn(engine, server)
     params = SamplingParams(temperature=0.0, max_new_tokens=48, n=4, seed=0)
-    samples, metrics = rollout(engine, tok, envs, rows, [r.prompt for r in rows], params, step_timeout_s=60, max_concurrency=64)
+    samples, metrics = rollout(watched, tok, envs, rows, [r.prompt for r in rows], params, step_timeout_s=60, max_concurrency=64)
     tasks = CalcArithmetic.list_tasks("train")
-    assert len(samples) == 16 and _open_sessions(server) == 0
+    assert watched.open == [16, 16] and _open_sessions(server) == 0  # all 16 open through both turns, then closed
+    assert len(samples) == 16
     for s in samples:
         calc = s.group < 3
         assert (s.status, s.num_turns) == ("ok", 2), (s.status, tok.decode(s.response_ids))
@@ -274,8 +276,24 @@ def _chatml(text: str) -> list[dict]:
     return [{"role": r, "content": c} for r, c in found]
 
 
+class _OpenSessionsPerTurn:
+    """The native engine (sessions included), noting how many env sessions are open at each engine call."""
+
+    def __init__(self, engine, server) -> None:
+        self.engine, self.server, self.open = engine, server, []
+        self.supports_sessions = engine.supports_sessions
+
+    def generate(self, requests, progress=None):
+        self.open.append(_open_sessions(self.server))
+        return self.engine.generate(requests, progress)
+
+    def end_sessions(self, keys=None):
+        return self.engine.end_sessions(keys)
+
+
 class _StopAfterFirstTurn:
-    """The native engine, and one env server that goes away right after the first turn was generated."""
+    """The native engine (without its sessions: every turn re-prefills), and one env server that goes away right
+    after the first turn was generated."""
 
     def __init__(self, engine, doomed: ThreadServer) -> None:
         self.engine, self.doomed, self.calls = engine, doomed, 0
