@@ -110,7 +110,8 @@ def task_env(cfg: Config, inputs: Inputs, tokenizer, rank: int) -> TaskEnv:
                 log0(f"env.openreward.serve: serving {cfg.env.openreward.serve} at {server.url} "
                      f"(log: {out / 'openreward_server.log'})")
             rows = task_rows(envs)
-            payload = [(envs.base_url, rows, probe_prompt_tokens(envs, tokenizer, rows, cfg.env.step_timeout_s or 120.0))]
+            payload = [(envs.base_url, envs.variants, rows,
+                        probe_prompt_tokens(envs, tokenizer, rows, cfg.env.step_timeout_s or 120.0))]
         except UserError as e:
             payload = [e]
         except (RuntimeError, TimeoutError, OSError) as e:  # the served file's server did not come up
@@ -120,7 +121,7 @@ def task_env(cfg: Config, inputs: Inputs, tokenizer, rank: int) -> TaskEnv:
         dist.broadcast_object_list(payload, src=0)
     if isinstance(payload[0], UserError):
         raise payload[0]
-    envs.base_url, rows, max_prompt = payload[0]
+    envs.base_url, envs.variants, rows, max_prompt = payload[0]
     sizes = env_sizes(envs, rows)
     log0("env.openreward: " + ", ".join(f"{s.name} {n} tasks (weight {s.weight:g}, max_turns {s.max_turns})"
                                        for s, n in zip(envs.specs, sizes)) + f"; longest first prompt {max_prompt} tokens")

@@ -153,6 +153,30 @@ def tool_model(server, tokenizer):
     return fast, model.eval()
 
 
+def test_task_rows_from_a_server_of_several_envs(server):
+    """Start-up: names resolve to the server's envs, the first `num_samples` tasks over the splits become rows."""
+    import types
+
+    from sparserl.rollout.openreward.tasks import env_sizes, resolve_envs, task_rows
+    from sparserl.utils.errors import UserError
+
+    cfg = types.SimpleNamespace(base_url=server.url, api_key_env="SPARSERL_TEST_NO_KEY", tool_parser="hermes", serve="",
+                                envs={"local/GuessNumber": {"splits": ["test", "train"], "num_samples": 102},
+                                      "local/CalcArithmetic": {"num_samples": 3, "weight": 2}})
+    envs = resolve_envs(cfg)
+    rows = task_rows(envs)
+    assert envs.variants == {"local/GuessNumber": "guessnumber", "local/CalcArithmetic": "calcarithmetic"}
+    assert env_sizes(envs, rows) == [102, 3] and [r.index for r in rows] == list(range(105))
+    assert [r.prompt for r in rows[99:103]] == ["local/GuessNumber test[99]", "local/GuessNumber train[0]",
+                                                "local/GuessNumber train[1]", "local/CalcArithmetic train[0]"]
+    cfg.envs = {"local/Abacus": {}}
+    with pytest.raises(UserError, match=r"local/Abacus: the server at .* serves calcarithmetic, guessnumber, faultycalc"):
+        task_rows(resolve_envs(cfg))
+    cfg.envs = {"local/GuessNumber": {"splits": ["valid"]}}
+    with pytest.raises(UserError, match=r"'valid' is not a split of local/GuessNumber \(its splits: train, test\)"):
+        task_rows(resolve_envs(cfg))
+
+
 def _gen(tokenizer, text: str, finish: str = "stop") -> Generation:
     ids = tokenizer.encode(text + ("<|im_end|>" if finish == "stop" else ""), add_special_tokens=False)
     return Generation(0, 0, [], ids, [-1.0] * len(ids), finish)

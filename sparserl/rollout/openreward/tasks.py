@@ -85,8 +85,36 @@ async def _task_rows(envs: OpenRewardEnvs) -> list[PromptRow]:
     return rows
 
 
+def resolve_variants(envs: OpenRewardEnvs) -> None:
+    """Pick, for each env reached at a URL of its own (not the hosted service) and without a `variant`, the
+    class its `Name` names on that server (`/list_environments`); a server of one env needs none. Without
+    this, a server of several envs would answer every name with its first env."""
+    import json
+    import urllib.request
+
+    listed: dict[str, list[str]] = {}
+    for spec in envs.specs:
+        url = envs.url(spec)
+        if url is None or envs.variant(spec) is not None:
+            continue
+        if url not in listed:
+            try:
+                with urllib.request.urlopen(f"{url.rstrip('/')}/list_environments", timeout=30) as resp:
+                    listed[url] = list(json.loads(resp.read()))
+            except (OSError, ValueError) as e:
+                raise UserError(f"{KEY}.{spec.name}: cannot reach the env server at {url}: {e}") from None
+        names = listed[url]
+        wanted = spec.name.split("/", 1)[1].lower()
+        if wanted in names:
+            envs.variants[spec.name] = wanted
+        elif len(names) > 1:
+            raise UserError(f"{KEY}.{spec.name}: the server at {url} serves {', '.join(names)}; name one of them "
+                            f"(Org/<name>) or set variant")
+
+
 def task_rows(envs: OpenRewardEnvs) -> list[PromptRow]:
-    """Every env's tasks as prompt rows, env after env in the config's order."""
+    """Every env's tasks as prompt rows, env after env in the config's order (variants resolved first)."""
+    resolve_variants(envs)
     return asyncio.run(_task_rows(envs))
 
 
