@@ -263,28 +263,26 @@ def test_plot_runs_writes_png(tmp_path):
 
 
 def test_tune_malloc_returns_large_frees_to_the_os(tmp_path):
-    """With the fixed mmap threshold, freed 8 MB tensors do not stay resident after a larger one was freed first
-    (glibc's dynamic threshold moves such sizes onto the heap, where small live tensors pin them)."""
+    """With the fixed mmap threshold, freed 8 MB tensors do not stay resident after a larger one was freed first.
+    (Without it, glibc's dynamic threshold moves such sizes onto the heap, where small live tensors pin them: this
+    pattern left 24-512 MB resident in runs on this project's CI box, depending on the heap's state.)"""
+    import os
     import subprocess
     import sys
 
     script = (
-        "import torch, os\n"
+        "import torch\n"
         "from sparserl.utils.memory import rss_bytes, tune_malloc\n"
-        "import sys\n"
-        "if sys.argv[1] == 'tuned': assert tune_malloc()\n"
-        "x = torch.ones(16 << 20, dtype=torch.uint8); del x\n"  # raises glibc's threshold past 16 MB when untuned
+        "assert tune_malloc()\n"
+        "x = torch.ones(16 << 20, dtype=torch.uint8); del x\n"  # would raise glibc's threshold past 16 MB untuned
         "keep = []\n"
         "base = rss_bytes()\n"
         "for i in range(64):\n"
         "    a = torch.ones(8 << 20, dtype=torch.uint8); b = torch.ones(64, dtype=torch.uint8); keep.append(b); del a\n"
         "print((rss_bytes() - base) / 2**20)\n"
     )
-    env = {k: v for k, v in __import__("os").environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-    out = {}
-    for mode in ("tuned", "default"):
-        res = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, env=env, timeout=120)
-        assert res.returncode == 0, res.stderr[-2000:]
-        out[mode] = float(res.stdout.strip().splitlines()[-1])
-    assert out["tuned"] < 4, out  # each 8 MB block unmapped when freed
-    assert out["default"] > 100, out  # glibc's default keeps them: the fragmentation this avoids (512 MB here)
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "SPARSERL_MALLOC_TUNE")}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    grown_mb = float(res.stdout.strip().splitlines()[-1])
+    assert grown_mb < 4, grown_mb  # each 8 MB block unmapped when freed
