@@ -173,8 +173,18 @@ def _units(pool: list, world: int, share_prompts: bool) -> list[tuple[list[int],
         return [([j], n) for j, n in enumerate(lengths)]
     prompt_lens = [seq[2] for seq in pool]
     keys = [prompt_key(seq[1], seq[2]) for seq in pool]
-    total = sum(cost for _, cost in prompt_units(keys, prompt_lens, lengths, 1 << 62))
+    total = sum(lengths) - sum(prompt_lens) + sum({key: p for key, p in zip(keys, prompt_lens)}.values())  # prompts once
     return prompt_units(keys, prompt_lens, lengths, max(1, total // (2 * world)))
+
+
+def _keep_home_if_no_worse(everyone: list, pool: list, k: int, parts: list[list[int]], loads: list[int]):
+    home_parts, start = [], 0
+    for part in everyone:
+        size = sum(seq[0] == k for seq in part)
+        home_parts.append(list(range(start, start + size)))
+        start += size
+    home_loads = [sum(cost for _, cost in _units([pool[j] for j in hp], 1, True)) for hp in home_parts]
+    return (home_parts, home_loads) if max(home_loads) <= max(loads) else (parts, loads)
 
 
 _PER_TOKEN = ("mask", "logp_old", "logp_sparse", "logp_ref", "weights", "kl_weights")
@@ -221,16 +231,8 @@ def balance_ranks(batch: TrainBatch, num_minibatches: int, dp_group,
         unit_parts = balanced_partition(costs, world)  # deterministic: every rank computes the same split
         parts = [sorted(j for u in share for j in units[u][0]) for share in unit_parts]
         loads = [sum(costs[u] for u in share) for share in unit_parts]
-        # Shared prompts: where the split is no better than what the ranks rolled out (whole prompt groups
-        # each, computed once), keep that.
-        home_parts, start = [], 0
-        for part in everyone:
-            size = sum(seq[0] == k for seq in part)
-            home_parts.append(list(range(start, start + size)))
-            start += size
-        home_loads = [sum(cost for _, cost in _units([pool[j] for j in hp], 1, share_prompts)) for hp in home_parts]
-        if share_prompts and max(home_loads) <= max(loads):
-            parts, loads = home_parts, home_loads
+        if share_prompts:  # where the split is no better than what the ranks rolled out (whole groups each), keep that
+            parts, loads = _keep_home_if_no_worse(everyone, pool, k, parts, loads)
         for r in range(world):
             after[r] += loads[r]
         minibatches.append(list(range(len(rows), len(rows) + len(parts[rank]))))

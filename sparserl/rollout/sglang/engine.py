@@ -38,78 +38,13 @@ import torch
 
 from sparserl.rollout.engine import EngineStats, register_engine
 from sparserl.rollout.sglang import SAMPLER_ENV_FLAG
+from sparserl.rollout.sglang.options import SGLangOptions, options_from_config  # noqa: F401 (re-exported)
 from sparserl.rollout.types import Generation, GenerationRequest, KVStats, SamplingParams
 from sparserl.rollout.weight_sync import buckets
 
 MEMORY_TAGS = ("kv_cache", "cuda_graph", "weights")  # sglang.srt.constants.GPU_MEMORY_ALL_TYPES
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-@dataclass(frozen=True)
-class SGLangOptions:
-    """What an engine is started with, resolved from `rollout.sglang.*` (see `options_from_config`)."""
-
-    device: str = "cpu"  # cpu | cuda
-    dtype: str = "bfloat16"
-    attention_backend: str | None = "torch_native"  # None: SGLang's choice
-    mem_fraction_static: float = 0.5
-    max_total_tokens: int = 0  # 0: sized from mem_fraction_static
-    max_running_requests: int = 256
-    chunked_prefill_size: int = 4096  # 0: no chunking
-    cuda_graph: bool = False
-    memory_saver: bool = False
-    release_weights: bool = True
-    weight_bucket_mb: float = 256
-    log_level: str = "error"
-    tp_size: int = 1
-    base_gpu_id: int = 0
-
-    def server_args(self, model_path: str, seed: int) -> dict[str, Any]:
-        args: dict[str, Any] = dict(
-            model_path=model_path, device=self.device, dtype=self.dtype, tp_size=self.tp_size, random_seed=seed,
-            mem_fraction_static=self.mem_fraction_static, max_running_requests=self.max_running_requests,
-            chunked_prefill_size=self.chunked_prefill_size or -1, disable_cuda_graph=not self.cuda_graph,
-            enable_memory_saver=self.memory_saver, log_level=self.log_level,
-            # Idle, the scheduler would spin a core at 100% while the colocated actor trains.
-            sleep_on_idle=True,
-            # sparserl's sampler stands in for this backend and reads each request's settings from custom_params.
-            sampling_backend="pytorch", enable_custom_logit_processor=True,
-        )
-        if self.max_total_tokens:
-            args["max_total_tokens"] = self.max_total_tokens
-        if self.attention_backend:
-            args["attention_backend"] = self.attention_backend
-        if self.device == "cuda":
-            args["base_gpu_id"] = self.base_gpu_id
-        return args
-
-
-def options_from_config(cfg, device: torch.device | str = "cpu", num_slots: int = 0) -> SGLangOptions:
-    """`rollout.sglang.*` with its `auto` / 0 defaults resolved for this device; `num_slots` is the native
-    engine's pool size for the same run (every sequence of a step, densely), used when no budget is given."""
-    s, r = cfg.rollout.sglang, cfg.rollout
-    dev = torch.device(device).type
-    on_gpu = dev == "cuda"
-    backend = s.attention_backend
-    if backend == "auto":
-        backend = None if on_gpu else "torch_native"
-    return SGLangOptions(
-        device=dev,
-        dtype=r.dtype if s.dtype == "auto" else s.dtype,
-        attention_backend=backend,
-        mem_fraction_static=s.mem_fraction_static,
-        max_total_tokens=s.max_total_tokens or r.kv_pool_tokens or num_slots,
-        max_running_requests=s.max_running_requests or r.max_num_seqs,
-        chunked_prefill_size=s.chunked_prefill_size,
-        cuda_graph=s.cuda_graph and on_gpu,
-        memory_saver=s.memory_saver and on_gpu,  # torch_memory_saver hooks CUDA allocations only
-        release_weights=s.release_weights,
-        weight_bucket_mb=s.weight_bucket_mb,
-        log_level=s.log_level,
-        tp_size=cfg.parallel.tp,
-        base_gpu_id=torch.cuda.current_device() if on_gpu else 0,
-    )
 
 
 @dataclass(frozen=True)
