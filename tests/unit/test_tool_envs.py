@@ -360,3 +360,37 @@ def test_faults_end_only_their_samples(server, tool_model, caplog):
     assert _open_sessions(server) == 0
     text = caplog.text
     assert "did not return within env.step_timeout_s=3" in text and "the calculator broke on purpose" in text
+
+
+
+def test_two_servers_in_one_process_stream_in_their_own_loops(server, tokenizer):
+    """Each `ThreadServer` runs its own event loop; the SSE "server is exiting" event must not be shared between
+    them (the SDK's pinned sse-starlette keeps one process-wide event, bound to the first loop that waits on it,
+    which made SSE requests of a second server fail, or not, depending on the machine's load). Waiting on it
+    from two loops in turn is the deterministic form of that race; then sessions open and close on both."""
+    from sse_starlette.sse import EventSourceResponse
+
+    def wait_briefly() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            asyncio.run(asyncio.wait_for(EventSourceResponse._listen_for_exit_signal(), 0.05))
+
+    wait_briefly()
+    wait_briefly()  # a second loop: "bound to a different event loop" without the per-loop events
+    second = ThreadServer([CalcArithmetic])
+    try:
+        specs = [_spec("local/CalcArithmetic"), _spec("other/CalcArithmetic", base_url=second.url,
+                                                     variant="calcarithmetic")]
+        envs = _envs(server.url, specs)
+        rows = _rows([("local/CalcArithmetic", 0), ("other/CalcArithmetic", 0)])
+
+        async def go():
+            driver = envs.driver(tokenizer, _EnvCalls(30, None))
+            openings = await driver.open(rows, [r.prompt for r in rows], 2)
+            assert [o.status for o in openings] == [None] * 4
+            assert _open_sessions(server) == 2 and _open_sessions(second) == 2
+            await driver.close(None)
+            assert _open_sessions(server) == _open_sessions(second) == 0
+
+        asyncio.run(go())
+    finally:
+        second.stop()

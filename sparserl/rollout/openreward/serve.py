@@ -95,12 +95,65 @@ def wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> None:
         time.sleep(0.1)
 
 
+def _sse_exit_event_per_loop() -> None:
+    """sse-starlette 2.3.6 (the version the SDK pins) keeps ONE process-wide `anyio.Event` for "the server is
+    shutting down", created by the first SSE stream in whatever event loop it runs. A second server in this
+    process (another thread, another loop: two `ThreadServer`s, or one started after another stopped) then
+    fails every SSE request with "bound to a different event loop". Give each running loop its own event;
+    uvicorn's exit signal still sets them all."""
+    import asyncio
+    import weakref
+
+    import anyio
+    from sse_starlette import sse
+
+    if getattr(sse.EventSourceResponse, "_exit_event_per_loop", False) or not hasattr(sse.AppStatus,
+                                                                                       "should_exit_event"):
+        return
+    events: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    lock = threading.Lock()
+
+    async def listen_for_exit_signal() -> None:
+        if sse.AppStatus.should_exit:
+            return
+        loop = asyncio.get_running_loop()
+        with lock:
+            event = events.get(loop)
+            if event is None:
+                event = events[loop] = anyio.Event()
+        if not sse.AppStatus.should_exit:
+            await event.wait()
+
+    original_exit = sse.AppStatus.handle_exit
+
+    def handle_exit(*args, **kwargs):
+        with lock:
+            pending = list(events.items())
+        for loop, event in pending:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(event.set)
+        original_exit(*args, **kwargs)
+
+    sse.AppStatus.handle_exit = staticmethod(handle_exit)
+    try:
+        from uvicorn.main import Server as UvicornServer
+
+        if UvicornServer.handle_exit is original_exit:  # sse-starlette hooked uvicorn's exit at import
+            UvicornServer.handle_exit = handle_exit
+    except ImportError:
+        pass
+    sse.EventSourceResponse._listen_for_exit_signal = staticmethod(listen_for_exit_signal)
+    sse.EventSourceResponse._exit_event_per_loop = True
+
+
 class ThreadServer:
     """`classes` served by uvicorn in a daemon thread; `url` once constructed, `stop()` to end it."""
 
     def __init__(self, classes: list[type], host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> None:
         import uvicorn
         from openreward.environments import Server
+
+        _sse_exit_event_per_loop()
 
         sock = _bind(host, port)
         self.url = f"http://{host}:{sock.getsockname()[1]}"
