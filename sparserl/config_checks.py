@@ -100,6 +100,7 @@ RULES: dict[str, Rule] = {
     "rollout.max_num_seqs": COUNT,
     "rollout.max_batch_tokens": COUNT,
     "rollout.quantization": one_of("none", "int8", "w8a8", "fp8"),
+    "rollout.decode_cache": one_of("auto", "on", "off"),
     "rollout.rescore_seqs": NON_NEG,
     "rollout.kv.algorithm": one_of("none", "rkv", "snapkv", "streaming"),
     "rollout.kv.budget": COUNT,

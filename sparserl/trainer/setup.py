@@ -158,7 +158,7 @@ def build_rollout_engine(cfg: Config, model_path: str, tokenizer, device: torch.
                             max_num_seqs=cfg.rollout.max_num_seqs, max_batch_tokens=cfg.rollout.max_batch_tokens,
                             seed=seed, kv=kv_policy(cfg), release_weights=cfg.rollout.release_weights,
                             quantization=cfg.rollout.quantization, quantize_lm_head=cfg.rollout.quantize_lm_head,
-                            rescore_seqs=cfg.rollout.rescore_seqs)
+                            rescore_seqs=cfg.rollout.rescore_seqs, decode_cache=cfg.rollout.decode_cache)
     if cfg.rollout.engine == "sglang":
         return build_engine("sglang", cfg=cfg, model_path=model_path, tokenizer=tokenizer, device=device,
                             num_slots=num_slots, seed=seed)

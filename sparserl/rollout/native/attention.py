@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from sparserl.rollout.native.decode_cache import DecodeCache
 
 ATTN_NAME = "sparserl"
 
@@ -44,6 +47,7 @@ class ForwardContext:
     n_decode: int = 0
     decode_slots: torch.Tensor | None = None  # (Bd, Lmax) long
     decode_bias: torch.Tensor | None = None  # (Bd, 1, 1, Lmax) float32: 0 where valid, -inf on padding
+    decode_cache: "DecodeCache | None" = None  # instead of the two above: contiguous copies (decode_cache.py)
     write_slots: torch.Tensor | None = None  # (T,) long
     k_cache: list[torch.Tensor] | None = None  # per layer (S, H_kv, D)
     v_cache: list[torch.Tensor] | None = None
@@ -149,7 +153,9 @@ def packed_attention(
         k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
         k_cache.index_copy_(0, ctx.write_slots, k_new.to(k_cache.dtype))
         v_cache.index_copy_(0, ctx.write_slots, v_new.to(v_cache.dtype))
-        if ctx.n_decode:
+        if ctx.n_decode and ctx.decode_cache is not None:
+            decoded = ctx.decode_cache.attend(layer, q[: ctx.n_decode], k_cache, v_cache, scaling)
+        elif ctx.n_decode:
             decoded = _decode_attention(q[: ctx.n_decode], k_cache, v_cache, ctx, scaling)
     # Rows are [decode rows][span 0][span 1]...: split and concatenate rather than slice and assign, so that
     # backward costs one gather and one scatter per layer instead of a full-size zero tensor per sequence.

@@ -31,6 +31,7 @@ from sparserl.kv import KVPolicyConfig
 from sparserl.rollout.engine import EngineStats, register_engine
 from sparserl.rollout.native import rescore
 from sparserl.rollout.native.compressor import Compressor
+from sparserl.rollout.native.decode_cache import resolve_decode_cache
 from sparserl.rollout.native.runner import ModelRunner
 from sparserl.rollout.native.sampler import Sampler
 from sparserl.rollout.native.scheduler import ScheduledBatch, Scheduler
@@ -70,11 +71,13 @@ class NativeEngine:
         quant_kernel: str = "auto",
         quantize_lm_head: bool = False,
         rescore_seqs: int = 0,
+        decode_cache: str = "auto",
     ) -> None:
         self.tokenizer = tokenizer
         # True: sleep() also drops the weights (the actor pushes fresh ones after every update anyway).
         self.release_weights = release_weights
-        self.runner = ModelRunner(model, num_slots, quantization, quant_kernel, quantize_lm_head)
+        self.runner = ModelRunner(model, num_slots, quantization, quant_kernel, quantize_lm_head,
+                                  resolve_decode_cache(decode_cache, next(model.parameters()).device))
         self.quantization = quantization
         # Measure-only: sequences per generate() re-scored with a dense cache (rollout/kv_mismatch_kl).
         self.rescore_seqs = rescore_seqs

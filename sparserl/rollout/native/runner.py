@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from sparserl.rollout.native.attention import ForwardContext, Span, forward_context, use_packed_attention
+from sparserl.rollout.native.decode_cache import DecodeCache
 from sparserl.rollout.native.quantize import QuantizedWeights, quantize_model, weights_nbytes
 from sparserl.rollout.native.scheduler import ScheduledBatch
 from sparserl.rollout.native.sequence import Sequence
@@ -32,11 +33,13 @@ class SlotTable:
     the sequence's row.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cache: DecodeCache | None = None) -> None:
         self.device = device
         self.table = torch.zeros((0, 0), dtype=torch.long, device=device)
         self.rows: dict[int, list[int]] = {}  # seq_id -> [row, synced length, slots_version]
         self.free: list[int] = []
+        # With a decode cache the rows hold copies of the keys/values instead of slot numbers (decode_cache.py).
+        self.cache = cache
 
     def _reserve(self, n_rows: int, width: int) -> None:
         rows, cols = self.table.shape
@@ -46,8 +49,9 @@ class SlotTable:
         grown[:rows, :cols] = self.table
         self.table = grown
 
-    def gather(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns decode slots (Bd, Lmax) and the additive mask (Bd, 1, 1, Lmax): 0 valid, -inf padding."""
+    def gather(self, seqs: list[Sequence]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Returns decode slots (Bd, Lmax) and the additive mask (Bd, 1, 1, Lmax): 0 valid, -inf padding; with a
+        decode cache, (None, None) and the cache's plan for this step is set instead."""
         rows_idx, cols, vals = [], [], []
         for seq in seqs:
             entry = self.rows.get(seq.seq_id)
@@ -62,6 +66,9 @@ class SlotTable:
             vals.extend(new)
             entry[1] = len(seq.slots)
         lengths = [len(s.slots) for s in seqs]
+        if self.cache is not None:
+            self.cache.plan_step(rows_idx, cols, vals, [self.rows[s.seq_id][0] for s in seqs], lengths)
+            return None, None
         lmax = max(lengths)
         self._reserve(max(e[0] for e in self.rows.values()) + 1, lmax)
         if vals:
@@ -80,7 +87,7 @@ class SlotTable:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int, quantization: str = "none", quant_kernel: str = "auto",
-                 quantize_lm_head: bool = False) -> None:
+                 quantize_lm_head: bool = False, decode_cache: bool = False) -> None:
         self.model = model.eval()
         use_packed_attention(self.model)
         # Linear layers swapped for quantized ones (rollout.quantization); None keeps the rollout dtype.
@@ -95,7 +102,8 @@ class ModelRunner:
         self.num_slots = num_slots
         self.k_cache: list[torch.Tensor] | None = None
         self.v_cache: list[torch.Tensor] | None = None
-        self.table = SlotTable(self.device)
+        self.use_decode_cache = decode_cache
+        self.table = self._new_table()
         self._released: dict[int, torch.Size] = {}  # id(parameter) -> shape, while the storage is dropped
 
     @property
@@ -111,9 +119,15 @@ class ModelRunner:
 
     def release(self) -> None:
         self.k_cache = self.v_cache = None
-        self.table = SlotTable(self.device)
+        self.table = self._new_table()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _new_table(self) -> SlotTable:
+        cache = None
+        if self.use_decode_cache:
+            cache = DecodeCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        return SlotTable(self.device, cache)
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -148,6 +162,7 @@ class ModelRunner:
         )
         if batch.decode:
             ctx.decode_slots, ctx.decode_bias = self.table.gather(batch.decode)
+            ctx.decode_cache = self.table.cache
         return ctx, ids, pos, keep
 
     @torch.inference_mode()

@@ -1,0 +1,118 @@
+"""A per-sequence contiguous copy of the decoding sequences' keys/values (`rollout.decode_cache`).
+
+The KV pool stores entries at scattered slots (one pool for all sequences; compression frees slots in place),
+so batched decode attention has to gather every sequence's keys/values through its slot list at every step
+and layer. On a CPU that gather is most of the decode attention's time at large batches (benchmarks/
+decode_attention.py: at batch 64 the gather alone costs more than SDPA over contiguous keys/values). This cache
+keeps, per layer, a (rows, H_kv, width, D) copy of each decoding sequence's entries, row = the sequence's row
+in the `SlotTable`, updated by appends: a decode step copies one new entry per sequence (the token it writes
+in this forward), a prefill or a compaction (slots_version bump) re-copies that sequence's row from the pool.
+The pool stays the source of truth (compression scores and compacts there; forks copy there).
+
+Memory: the copy holds the decoding sequences' entries a second time, padded to the longest (growth by
+doubling). That is why it is on by default on CPU only (`auto`), where the gather is slow and memory is
+plentiful next to the speed it buys; on CUDA the gather is cheap and KV memory is what sparse rollouts save.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DecodePlan:
+    """What one forward's decode attention needs: the entries to copy in, and where the queries go."""
+
+    sync_rows: torch.Tensor  # (N,) row of each new entry
+    sync_cols: torch.Tensor  # (N,) its position in the row
+    sync_slots: torch.Tensor  # (N,) its slot in the pool
+    rows: torch.Tensor  # (Bd,) each decode query's row
+    num_rows: int  # attention runs over rows [0, num_rows) when `dense_rows`, else over `rows` gathered
+    dense_rows: bool
+    bias: torch.Tensor  # (num_rows or Bd, 1, 1, Lmax) 0 valid, -inf padding
+    width: int  # Lmax
+
+
+class DecodeCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.plan: DecodePlan | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def reserve(self, rows: int, width: int) -> None:
+        """Grow (never shrink) to at least `rows` x `width`, keeping what is there."""
+        have_rows, have_width = (self.k[0].shape[0], self.k[0].shape[2]) if self.k else (0, 0)
+        if rows <= have_rows and width <= have_width:
+            return
+        rows = have_rows if rows <= have_rows else max(rows, 2 * have_rows)
+        width = have_width if width <= have_width else max(width, 2 * have_width, 64)
+        shape = (rows, self.num_kv_heads, width, self.head_dim)
+        for store in (self.k, self.v):
+            for i in range(self.num_layers):
+                grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if store and i < len(store):
+                    old = store[i]
+                    grown[: old.shape[0], :, : old.shape[2]] = old
+                    store[i] = grown
+                else:
+                    store.append(grown)
+
+    def plan_step(self, rows_idx: list[int], cols: list[int], slots: list[int], rows: list[int], lengths: list[int]) -> DecodePlan:
+        """Called once per forward by the slot table: `rows_idx/cols/slots` are the entries new since the last
+        step (the decode tokens' own slots included: they are written by this forward before attention)."""
+        dev = self.device
+        lmax = max(lengths)
+        top = max(rows) + 1
+        self.reserve(top, lmax)
+        # Attend over the contiguous rows [0, top) when most of them decode now (finished rows are idle: their
+        # outputs are dropped), else copy out just the decoding rows.
+        dense_rows = 2 * len(rows) >= top
+        row_t = torch.tensor(rows, device=dev)
+        length_t = torch.tensor(lengths, device=dev)
+        if dense_rows:
+            full = torch.ones(top, dtype=torch.long, device=dev)  # idle rows: one visible entry, no NaN
+            full[row_t] = length_t
+            length_t = full
+        valid = torch.arange(lmax, device=dev)[None, :] < length_t[:, None]
+        bias = torch.zeros(valid.shape, dtype=self.dtype, device=dev).masked_fill_(~valid, float("-inf"))
+        self.plan = DecodePlan(torch.tensor(rows_idx, device=dev), torch.tensor(cols, device=dev),
+                               torch.tensor(slots, device=dev), row_t, top, dense_rows, bias[:, None, None, :], lmax)
+        return self.plan
+
+    def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scaling: float | None) -> torch.Tensor:
+        """Decode attention of `q` (Bd, H, D) over the cached rows, after copying this step's new entries in."""
+        p = self.plan
+        k_rows, v_rows = self.k[layer], self.v[layer]
+        if p.sync_slots.numel():
+            k_rows[p.sync_rows, :, p.sync_cols] = k_cache.index_select(0, p.sync_slots)
+            v_rows[p.sync_rows, :, p.sync_cols] = v_cache.index_select(0, p.sync_slots)
+        bd, H, D = q.shape
+        hkv = self.num_kv_heads
+        qg = q.view(bd, hkv, H // hkv, D).to(self.dtype)
+        if p.dense_rows:
+            k, v = k_rows[: p.num_rows, :, : p.width], v_rows[: p.num_rows, :, : p.width]
+            q_all = qg.new_zeros((p.num_rows, hkv, H // hkv, D)).index_copy_(0, p.rows, qg)
+            out = F.scaled_dot_product_attention(q_all, k, v, attn_mask=p.bias, scale=scaling).index_select(0, p.rows)
+        else:
+            k = k_rows.index_select(0, p.rows)[:, :, : p.width]
+            v = v_rows.index_select(0, p.rows)[:, :, : p.width]
+            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=p.bias, scale=scaling)
+        return out.reshape(bd, H, D).to(q.dtype)
+
+
+def resolve_decode_cache(setting: str | bool, device: torch.device) -> bool:
+    """`rollout.decode_cache`: on | off | auto (on for CPU engines, off on accelerators)."""
+    if isinstance(setting, bool):
+        return setting
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"rollout.decode_cache must be auto, on or off, not {setting!r}")
+    return setting == "on" or (setting == "auto" and device.type == "cpu")
