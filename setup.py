@@ -33,7 +33,9 @@ setup(
         "report": ["matplotlib"],
     },
     package_data={"sparserl.report": ["viewer.js", "report.css"]},
-    # Loaded by SGLang in each of its processes: registers the "sparserl" sampling backend
-    # (sparserl/rollout/sglang/sampler.py). Nothing is imported unless SGLang loads its plugins.
-    entry_points={"sglang.srt.plugins": ["sparserl_sampler = sparserl.rollout.sglang.sampler:register"]},
+    # Loaded by SGLang in each of its processes: sparserl's sampler (sparserl/rollout/sglang/sampler.py) and the
+    # sparserl_kv attention backend (kv_backend.py). Nothing is imported unless SGLang loads its plugins, and
+    # each acts only in engines sparserl starts with its environment flag.
+    entry_points={"sglang.srt.plugins": ["sparserl_sampler = sparserl.rollout.sglang.sampler:register",
+                                         "sparserl_kv = sparserl.rollout.sglang.kv_backend:register"]},
 )

@@ -22,13 +22,3 @@ def test_missing_sglang_names_the_install_command(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: rollout.engine=sglang needs SGLang")
     assert 'pip install -e ".[sglang]"' in lines[0] and "scripts/install_sglang_cpu.sh" in lines[0]
     assert not out.exists()
-
-
-@pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed")
-def test_kv_compression_with_sglang_is_refused(tmp_path):
-    proc, out = run_trainer(tmp_path, "rollout.kv.algorithm=rkv")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "error: rollout.kv.algorithm=rkv: KV compression runs in the native engine only; with rollout.engine=sglang "
-        "use rollout.kv.algorithm=none (or rollout.engine=native)"]
-    assert not out.exists()

@@ -4,10 +4,12 @@
 - `sampler.py`: the sampler SGLang runs in its scheduler process, so that `logp_sparse` is the processed
   distribution's log-prob and draws are seeded per sequence (loaded by SGLang through an entry point).
 - `draw.py`: the seeded draw itself, pure tensor code.
+- `kv_backend.py`: the `sparserl_kv` attention backend and scheduler hooks SGLang loads (entry point) for KV
+  compression that frees evicted slots; `kv_compactor.py` (selection via `sparserl.kv` and compaction) and
+  `kv_records.py` (what the engine reads back) are pure torch / Python.
 
 This package's `__init__` does not import sglang: `check_config` runs in the trainer's input validation,
-before anything is written, also where sglang is absent. Left out on purpose: KV compression inside SGLang
-(compressed rollouts run on the native engine; see docs/sglang.md).
+before anything is written, also where sglang is absent.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from sparserl.utils.errors import UserError
 INSTALL_HINT = 'pip install -e ".[sglang]" on a GPU machine, or bash scripts/install_sglang_cpu.sh for the CPU test venv'
 PLUGIN_GROUP = "sglang.srt.plugins"
 PLUGIN_VALUE = "sparserl.rollout.sglang.sampler:register"
+KV_PLUGIN_VALUE = "sparserl.rollout.sglang.kv_backend:register"
 SAMPLER_ENV_FLAG = "SPARSERL_SGLANG_SAMPLER"  # set for SGLang processes that must run sparserl's sampler
+KV_ENV = "SPARSERL_SGLANG_KV"  # JSON policy / base backend for SGLang processes that compress (kv_backend.ENV)
 
 
 def check_config(cfg) -> None:
@@ -28,9 +32,10 @@ def check_config(cfg) -> None:
     if not plugin_installed():
         raise UserError("rollout.engine=sglang: sparserl's SGLang sampler plugin is not registered; reinstall sparserl "
                         "(pip install -e .) so its sglang.srt.plugins entry point is recorded")
-    if cfg.rollout.kv.algorithm != "none":
-        raise UserError(f"rollout.kv.algorithm={cfg.rollout.kv.algorithm}: KV compression runs in the native engine only; "
-                        "with rollout.engine=sglang use rollout.kv.algorithm=none (or rollout.engine=native)")
+    if cfg.rollout.kv.algorithm != "none" and not plugin_installed(KV_PLUGIN_VALUE):
+        raise UserError(f"rollout.kv.algorithm={cfg.rollout.kv.algorithm} with rollout.engine=sglang: sparserl's sparserl_kv "
+                        "plugin is not registered; reinstall sparserl (pip install -e .) so its sglang.srt.plugins entry "
+                        "point is recorded")
     if cfg.rollout.quantization != "none":
         # SGLang 0.5.23 loads update_weights_from_tensor through model.load_weights and never re-runs a quantization
         # method's post-load step, so an online-quantized (fp8) model would not be re-quantized by a weight sync.
@@ -47,7 +52,7 @@ def check_config(cfg) -> None:
             raise UserError(f"rollout.sglang.{key}={getattr(s, key)} must be >= 0")
 
 
-def plugin_installed() -> bool:
+def plugin_installed(value: str = PLUGIN_VALUE) -> bool:
     from importlib.metadata import entry_points
 
-    return any(ep.value == PLUGIN_VALUE for ep in entry_points(group=PLUGIN_GROUP))
+    return any(ep.value == value for ep in entry_points(group=PLUGIN_GROUP))

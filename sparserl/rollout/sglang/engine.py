@@ -19,14 +19,20 @@ receive the generations from the owner point-to-point. Data-parallel groups each
   carries the whole history and is prefilled from it, with SGLang's radix cache reusing what it still holds
   of the earlier turns. `Generation.session_id` is None and `end_sessions` does nothing.
 
+- KV compression (`options.kv`): SGLang runs sparserl's `sparserl_kv` attention backend (kv_backend.py) over
+  its base backend, with the policy in `SPARSERL_SGLANG_KV`; each generation's `KVStats` come from the
+  backend's per-token records and the engine's `peak_slots` / `peak_running` / `compressions` from the
+  scheduler's pool counters, read after every `generate`, which also checks that every slot came back.
+
 SGLang's own `asyncio` loop runs on one helper thread: the env loop calls `generate` from inside its own
 running event loop, where SGLang's `run_until_complete` would refuse to run.
-Left out on purpose: KV compression inside SGLang (compressed rollouts run on the native engine), streaming,
-multi-node engines, and peak KV-slot accounting (SGLang does not report it per call; `kv/peak_slots` is 0).
+Left out on purpose: streaming, multi-node engines, and peak KV-slot accounting of dense engines (SGLang does
+not report it per call; there `kv/peak_slots` is 0).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +43,8 @@ from typing import Any, Callable, Hashable, Iterable
 import torch
 
 from sparserl.rollout.engine import EngineStats, register_engine
-from sparserl.rollout.sglang import SAMPLER_ENV_FLAG
+from sparserl.rollout.sglang import KV_ENV, SAMPLER_ENV_FLAG
+from sparserl.rollout.sglang.kv_records import RECORD_KEY, kv_stats, pool_counters
 from sparserl.rollout.sglang.options import SGLangOptions, options_from_config  # noqa: F401 (re-exported)
 from sparserl.rollout.types import Generation, GenerationRequest, KVStats, SamplingParams
 from sparserl.rollout.weight_sync import buckets
@@ -89,6 +96,7 @@ class SGLangEngine:
         self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else _default_eos(model_path, tokenizer)
         self._kv_bytes = _kv_bytes_per_token(model_path, self.options.dtype)
         self._stats = self._fresh_stats()
+        self.kv_trace: dict = {}  # (request id, sample index) -> kept positions per compaction (options.kv_trace)
         self._awake = True
         self._released: set[str] = set()
         self._updating = False
@@ -166,8 +174,11 @@ class SGLangEngine:
             return self._receive_from_owner(progress)
         t0 = time.perf_counter()
         outputs = self._thread.submit(self._engine.loop.run_until_complete, self._generate_all(samples, progress)).result()
+        self.kv_trace = {}
         gens = [self._to_generation(s, requests[s.request], out) for s, out in zip(samples, outputs)]
         self._account(gens, time.perf_counter() - t0, len(samples))
+        if self.options.kv is not None:
+            self._account_pool(gens)
         self._send_to_peers(gens)
         return gens
 
@@ -233,7 +244,12 @@ class SGLangEngine:
                 ids, logps, reason = ids[:cut], logps[:cut], "stop"
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else out.get("text")
         total = len(s.prompt) + len(ids) - 1  # the last sampled token is never fed back
-        kv = KVStats(peak_slots=total, retained_tokens=total, total_tokens=total)
+        if self.options.kv is not None:
+            kv, kept = kv_stats(meta.get(RECORD_KEY) or [], len(s.prompt), len(ids))
+            if self.options.kv_trace:
+                self.kv_trace[(req.request_id, s.index)] = kept
+        else:
+            kv = KVStats(peak_slots=total, retained_tokens=total, total_tokens=total)
         return Generation(req.request_id, s.index, s.prompt, ids, logps, reason, text, kv)
 
     # ----------------------------------------------------------------- tensor-parallel peers
@@ -270,7 +286,22 @@ class SGLangEngine:
         st.generate_s += elapsed
         st.new_tokens += sum(len(g.token_ids) for g in gens)
         st.prompt_tokens += sum(len(g.prompt_token_ids) for g in gens)
-        st.peak_running = max(st.peak_running, min(num_samples, self.options.max_running_requests))
+        if self.options.kv is None:  # with compression the scheduler's own count comes in `_account_pool`
+            st.peak_running = max(st.peak_running, min(num_samples, self.options.max_running_requests))
+
+    def _account_pool(self, gens: list[Generation]) -> None:
+        """The scheduler's pool counters since the last call; every slot must be free again (no radix cache)."""
+        pool = pool_counters(self._call(self._engine.get_server_info))
+        if pool.pool_free != pool.pool_size:
+            raise RuntimeError(f"sparserl_kv: {pool.pool_size - pool.pool_free} of {pool.pool_size} KV slots are still "
+                               "allocated after every request finished (a leak), or were freed twice (negative)")
+        st = self._stats
+        st.peak_slots = max(st.peak_slots, pool.high_water)
+        st.peak_running = max(st.peak_running, pool.peak_running)
+        st.compressions += sum(g.kv.compressions for g in gens)
+        st.compress_s += sum(g.kv.compress_s for g in gens)
+        st.extra["kv/pool_free_after"] = float(pool.pool_free)
+        st.extra["kv/pool_size"] = float(pool.pool_size)
 
     def _fresh_stats(self) -> EngineStats:
         return EngineStats(pool_slots=self.options.max_total_tokens, kv_bytes_per_slot=self._kv_bytes)
@@ -286,6 +317,14 @@ def _start_engine(model_path: str, options: SGLangOptions, seed: int):
     if allowed and "sparserl_sampler" not in {x.strip() for x in allowed.split(",")}:
         raise RuntimeError(f"SGLANG_PLUGINS={allowed} leaves out sparserl_sampler, without which logp_sparse would be "
                            "SGLang's unnormalized log-probs; add it or unset SGLANG_PLUGINS")
+    if options.kv is not None:
+        # SGLang's processes load the sparserl_kv backend and its scheduler hooks only under this variable.
+        os.environ[KV_ENV] = json.dumps({"policy": options.kv, "base": options.base_attention_backend,
+                                         "trace": options.kv_trace})
+        if allowed and "sparserl_kv" not in {x.strip() for x in allowed.split(",")}:
+            raise RuntimeError(f"SGLANG_PLUGINS={allowed} leaves out sparserl_kv, which KV compression needs; add it")
+    else:
+        os.environ.pop(KV_ENV, None)
     import sglang
 
     with _without_launcher_env():

@@ -1,6 +1,7 @@
 """What the in-process SGLang engine is started with: `SGLangOptions` and their mapping from the run's config."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,14 @@ class SGLangOptions:
     log_level: str = "error"
     tp_size: int = 1
     base_gpu_id: int = 0
+    # KV compression (`rollout.kv.*` as a dict of `KVPolicyConfig` fields); None: dense. With a policy the engine
+    # runs the `sparserl_kv` attention backend over `attention_backend` (see kv_backend.py).
+    kv: dict | None = None
+    kv_trace: bool = False  # report the kept logical positions of every compaction (tests; costs a copy per trigger)
+
+    @property
+    def base_attention_backend(self) -> str:
+        return self.attention_backend or ("torch_native" if self.device == "cpu" else "triton")
 
     def server_args(self, model_path: str, seed: int) -> dict[str, Any]:
         args: dict[str, Any] = dict(
@@ -41,6 +50,11 @@ class SGLangOptions:
             args["max_total_tokens"] = self.max_total_tokens
         if self.attention_backend:
             args["attention_backend"] = self.attention_backend
+        if self.kv is not None:
+            # Compaction frees slots a prefix tree would share, must run between a step's sampling and the next
+            # step's preparation, works on single-token pages, and shifts decode positions eagerly.
+            args.update(attention_backend="sparserl_kv", disable_radix_cache=True, disable_overlap_schedule=True,
+                        enable_mixed_chunk=False, page_size=1, disable_cuda_graph=True)
         if self.device == "cuda":
             args["base_gpu_id"] = self.base_gpu_id
         return args
@@ -70,4 +84,5 @@ def options_from_config(cfg, device: torch.device | str = "cpu", num_slots: int 
         log_level=s.log_level,
         tp_size=cfg.parallel.tp,
         base_gpu_id=torch.cuda.current_device() if on_gpu else 0,
+        kv=dataclasses.asdict(r.kv) if r.kv.algorithm != "none" else None,
     )

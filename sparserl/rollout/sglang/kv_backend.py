@@ -1,0 +1,261 @@
+"""The `sparserl_kv` attention backend: SGLang's own backend plus KV compression that frees what it evicts.
+
+Loaded in every SGLang process through the `sglang.srt.plugins` entry point `sparserl_kv` (setup.py), and
+active only where the engine set `SPARSERL_SGLANG_KV` (a JSON of the policy, the base backend and the trace
+flag; spawned processes inherit it). `register()` then
+
+1. registers the backend name `sparserl_kv` (and adds it to SGLang's argument choices). Its factory builds the
+   base backend (`torch_native` on CPU; triton / flashinfer / fa3 on GPU) and puts query capture and logical
+   decode positions in front of its `forward` / `init_forward_metadata` (`_wrap`): the instance keeps its
+   class, so every other method, and SGLang's checks on the instance, stay the base backend's.
+2. hooks three scheduler methods through SGLang's `HookRegistry` (the plugin mechanism of 0.5.23):
+   - `Scheduler.process_batch_result` (around): before it, each sampled row gets its per-token record in
+     `logits_output.customized_info["sparserl_kv"]` (entries held during the forward, running requests,
+     compactions since the last token), which SGLang streams to `meta_info`; after it, every request that
+     sampled a token steps its `CompressionSchedule`, and a due request is compacted: its KV per layer and
+     KV head moved into its first `keep` slots, the rest freed to SGLang's allocator, its row, `kv_committed_len`
+     / `kv_allocated_len` and the batch's `seq_lens` shortened, so the next admission sees the slots free.
+   - `Scheduler.get_new_batch_prefill` (around): admission counts each request's remaining need as its
+     compression bound (`CompressionSchedule.max_slots` minus what it holds) instead of its dense length,
+     by presenting a smaller `max_new_tokens` to SGLang's `PrefillAdder` for the duration of the call only.
+   - `SchedulerInternalStateController.get_internal_state` (after): adds the pool counters (free slots, size,
+     high-water, most requests running, compactions) under "sparserl_kv", read by the engine after a generate.
+
+Why these pieces and not the backend alone: a backend sees one forward at a time and no `Req` objects, and
+freeing slots needs the request's KV record and the batch's lengths, which only the scheduler owns; admission
+reads `max_new_tokens` in several places of `PrefillAdder`. Pinned to SGLang 0.5.23 (docs/decisions.md).
+
+Requirements, set by the engine (`SGLangOptions.server_args`): radix cache off (compaction edits and frees
+slots a prefix tree would share), overlap scheduling off (the scheduler must see a step's tokens before the
+next step is prepared), page size 1, no mixed chunked prefill, no CUDA graphs (positions are shifted eagerly).
+Left out on purpose: speculative decoding, hybrid (SWA / Mamba) pools, data-parallel attention, and TP ranks
+agreeing on share=layer/all selections (share=head is rank-local).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import torch
+from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from sparserl.kv import KVPolicyConfig, is_newline_token
+from sparserl.kv.schedule import CompressionSchedule
+from sparserl.rollout.sglang.kv_compactor import KVCompactor
+
+BACKEND_NAME = "sparserl_kv"
+ENV = "SPARSERL_SGLANG_KV"
+RECORD_KEY = "sparserl_kv"
+logger = logging.getLogger(__name__)
+
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+
+
+class KVRuntime:
+    """The one compression runtime of a scheduler process: made by the backend factory, read by the hooks."""
+
+    def __init__(self, cfg: KVPolicyConfig, runner, trace: bool) -> None:
+        self.cfg = cfg
+        self.trace = trace
+        self.kv_pool = runner.token_to_kv_pool
+        self.req_to_token = runner.req_to_token_pool.req_to_token  # (rows, context) int32
+        self.allocator = runner.token_to_kv_pool_allocator
+        self.layer_ids = list(range(self.kv_pool.start_layer, self.kv_pool.start_layer + self.kv_pool.layer_num))
+        num_kv_heads = self.kv_pool.get_key_buffer(self.layer_ids[0]).shape[1]
+        self.compactor = KVCompactor(cfg, len(self.layer_ids), num_kv_heads, self.req_to_token.shape[0], runner.device)
+        self._newline: dict[int, bool] = {}
+        self.high_water = 0
+        self.peak_running = 0
+        self.compressions = 0
+        self.compress_s = 0.0
+
+    # ------------------------------------------------------------ forward side (the backend)
+    def before_forward(self, fb) -> None:
+        mode = fb.forward_mode
+        if mode.is_idle() or getattr(fb, "_sparserl_kv_planned", False):  # planned once per forward batch
+            return
+        fb._sparserl_kv_planned = True
+        rows = fb.req_pool_indices.tolist()
+        if mode.is_decode():
+            self.compactor.plan_capture(rows, [1] * len(rows), [False] * len(rows))
+            offset = self.compactor.offset[fb.req_pool_indices.long()]
+            fb.positions = fb.positions + offset.to(fb.positions.dtype)  # logical positions (RoPE, seeds)
+        elif mode.is_extend() and not mode.is_mixed():
+            prefix = fb.extend_prefix_lens_cpu
+            self.compactor.plan_capture(rows, list(fb.extend_seq_lens_cpu), [p == 0 for p in prefix])
+        else:
+            raise RuntimeError(f"{BACKEND_NAME}: forward mode {mode} is not supported (mixed chunked prefill and "
+                               "speculative decoding must be off)")
+
+    def capture(self, layer, q: torch.Tensor) -> None:
+        local = layer.layer_id - self.kv_pool.start_layer
+        self.compactor.capture(local, q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim))
+
+    # ------------------------------------------------------------ scheduler side (the hooks)
+    def records(self, batch) -> list:
+        """Per row of a batch about to be processed: [entries held in the forward, running requests, compactions
+        since the previous token as (tokens before it, seconds, kept positions or None)]."""
+        held = batch.seq_lens_cpu.tolist()
+        running = len(batch.reqs)
+        used = self.allocator.size - self.allocator.available_size()
+        self.high_water = max(self.high_water, used)
+        self.peak_running = max(self.peak_running, running)
+        return [[h, running, self.compactor.take_events(req.kv.req_pool_idx) if req.kv.holds_kv else []]
+                for req, h in zip(batch.reqs, held)]
+
+    def after_step(self, scheduler, batch) -> None:
+        """Step the schedule of every request that sampled a token; compact the due ones and free their slots."""
+        for i, req in enumerate(batch.reqs):
+            if req.finished() or req.is_retracted or not req.kv.holds_kv or not req.output_ids:
+                continue
+            row = req.kv.req_pool_idx
+            held = req.kv.kv_committed_len
+            st = self.compactor.state.get(row)
+            if st is not None and st.outputs_seen >= len(req.output_ids):
+                continue  # no new token for this request (a chunk of its prefill)
+            due = self.compactor.on_token(row, req.rid, len(req.origin_input_ids), len(req.output_ids), held,
+                                          self._is_newline(scheduler, req.output_ids[-1]))
+            if due:
+                self._compact(batch, i, req, row, held)
+
+    def _compact(self, batch, i: int, req, row: int, n: int) -> None:
+        t0 = time.perf_counter()
+        assert req.kv.kv_allocated_len == n and req.kv.cache_protected_len == 0, (
+            f"request {req.rid}: kv_committed_len={n}, kv_allocated_len={req.kv.kv_allocated_len}, "
+            f"cache_protected_len={req.kv.cache_protected_len}: compaction needs a private, fully committed row")
+        slots = self.req_to_token[row, :n].long()
+        keys = [self.kv_pool.get_key_buffer(layer) for layer in self.layer_ids]
+        values = [self.kv_pool.get_value_buffer(layer) for layer in self.layer_ids]
+        done = self.compactor.compact(row, slots, keys, values, len(req.output_ids), self.trace)
+        keep = done.keep
+        self.allocator.free(done.freed)
+        self.req_to_token[row, keep:n] = 0
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = keep
+        freed = n - keep
+        batch.seq_lens[i] -= freed
+        batch.seq_lens_cpu[i] -= freed
+        if getattr(batch, "orig_seq_lens", None) is not None:
+            batch.orig_seq_lens[i] -= freed
+        if batch.seq_lens_sum is not None:
+            batch.seq_lens_sum -= freed
+        self.compressions += 1
+        self.compress_s += time.perf_counter() - t0
+
+    def _is_newline(self, scheduler, token: int) -> bool:
+        if self.cfg.divide_method != "newline":
+            return False
+        hit = self._newline.get(token)
+        if hit is None:
+            hit = self._newline[token] = is_newline_token(scheduler.tokenizer.decode([token]))
+        return hit
+
+    def admission_bound(self, req, held: int) -> int:
+        """`max_new_tokens` that makes SGLang's admission reserve this request's compression bound."""
+        p = req.sampling_params
+        out = len(req.output_ids)
+        bound = CompressionSchedule.max_slots(self.cfg, len(req.origin_input_ids), p.max_new_tokens)
+        return min(p.max_new_tokens, out + max(1, bound - held))
+
+    def counters(self) -> dict:
+        out = {"pool_size": int(self.allocator.size), "pool_free": int(self.allocator.available_size()),
+               "high_water": self.high_water, "peak_running": self.peak_running,
+               "compressions": self.compressions, "compress_s": self.compress_s}
+        self.high_water = self.allocator.size - self.allocator.available_size()
+        self.peak_running = 0
+        return out
+
+
+_RUNTIME: KVRuntime | None = None  # set once, by the backend factory of this scheduler process
+
+
+def _wrap(backend) -> None:
+    """Query capture and logical decode positions in front of the base backend's own methods, as instance
+    attributes: the instance keeps its class, so SGLang's checks on it (and every other method) are the base's."""
+    base_init, base_forward = backend.init_forward_metadata, backend.forward
+
+    def init_forward_metadata(forward_batch):
+        _RUNTIME.before_forward(forward_batch)
+        base_init(forward_batch)
+
+    def forward(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if not forward_batch.forward_mode.is_idle():
+            _RUNTIME.capture(layer, q)
+        return base_forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    backend.init_forward_metadata, backend.forward = init_forward_metadata, forward
+
+
+def settings() -> dict:
+    return json.loads(os.environ[ENV])
+
+
+def create_backend(runner):
+    global _RUNTIME
+    s = settings()
+    base_name = s["base"]
+    if base_name == BACKEND_NAME or base_name not in ATTENTION_BACKENDS:
+        raise ValueError(f"{BACKEND_NAME}: base attention backend {base_name!r} is not one of SGLang's")
+    if any(f"{_SCHEDULER}.{m}" not in HookRegistry._patched for m in ("process_batch_result", "get_new_batch_prefill")):
+        raise RuntimeError(f"{BACKEND_NAME}: the scheduler hooks were not applied in this process; without them "
+                           "evicted slots would never be freed")
+    backend = ATTENTION_BACKENDS[base_name](runner)
+    _wrap(backend)
+    _RUNTIME = KVRuntime(KVPolicyConfig(**s["policy"]), runner, bool(s.get("trace")))
+    return backend
+
+
+# ------------------------------------------------------------------ scheduler hooks
+def _around_process_batch_result(original, scheduler, batch, result, *args, **kwargs):
+    rt = _RUNTIME
+    mode = batch.forward_mode
+    if rt is None or not (mode.is_decode() or mode.is_extend()):
+        return original(scheduler, batch, result, *args, **kwargs)
+    logits_output = getattr(result, "logits_output", None)
+    if logits_output is not None:
+        info = dict(logits_output.customized_info or {})
+        info[RECORD_KEY] = rt.records(batch)
+        logits_output.customized_info = info
+    out = original(scheduler, batch, result, *args, **kwargs)
+    rt.after_step(scheduler, batch)
+    return out
+
+
+def _around_get_new_batch_prefill(original, scheduler, running_batch, *args, **kwargs):
+    rt = _RUNTIME
+    if rt is None:
+        return original(scheduler, running_batch, *args, **kwargs)
+    saved = []
+    running = running_batch.reqs if running_batch is not None else []
+    for req, held in [(r, r.kv.kv_allocated_len) for r in running] + \
+                     [(r, len(r.origin_input_ids) + len(r.output_ids)) for r in scheduler.waiting_queue]:
+        saved.append((req.sampling_params, req.sampling_params.max_new_tokens))
+        req.sampling_params.max_new_tokens = rt.admission_bound(req, held)
+    try:
+        return original(scheduler, running_batch, *args, **kwargs)
+    finally:
+        for params, value in saved:
+            params.max_new_tokens = value
+
+
+def _after_get_internal_state(result, *args, **kwargs):
+    if _RUNTIME is not None and isinstance(getattr(result, "internal_state", None), dict):
+        result.internal_state[RECORD_KEY] = _RUNTIME.counters()
+    return result
+
+
+def register() -> None:
+    """The `sglang.srt.plugins` entry point: in engines started with compression, register the backend and the
+    scheduler hooks; elsewhere nothing changes."""
+    if ENV not in os.environ or BACKEND_NAME in ATTENTION_BACKENDS:  # plugins may load twice
+        return
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+    register_attention_backend(BACKEND_NAME)(create_backend)
+    HookRegistry.register(f"{_SCHEDULER}.process_batch_result", _around_process_batch_result, HookType.AROUND)
+    HookRegistry.register(f"{_SCHEDULER}.get_new_batch_prefill", _around_get_new_batch_prefill, HookType.AROUND)
+    HookRegistry.register(f"{_INTERNAL_STATE}.get_internal_state", _after_get_internal_state, HookType.AFTER)
