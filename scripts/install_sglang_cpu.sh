@@ -48,8 +48,9 @@ cp -r "$HARNESS/stand_in/sgl_kernel" "$SITE/sgl_kernel"
 # Smoke check: SGLang imports on the CPU path, the stand-in is the one found, sparserl's sampler plugin is registered.
 SGLANG_USE_CPU_ENGINE=1 "$PY" - <<'EOF'
 import torch, transformers, sglang, sgl_kernel
-from sparserl.rollout.sglang import plugin_installed
+from sparserl.rollout.sglang import KV_PLUGIN_VALUE, plugin_installed
 assert getattr(sgl_kernel, "IS_STAND_IN", False), sgl_kernel.__file__
 assert plugin_installed(), "sparserl's sglang.srt.plugins entry point is missing"
+assert plugin_installed(KV_PLUGIN_VALUE), "sparserl's sparserl_kv entry point is missing"
 print(f"sglang {sglang.__version__} with torch {torch.__version__}, transformers {transformers.__version__}: ok")
 EOF
