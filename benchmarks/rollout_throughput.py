@@ -2,7 +2,7 @@
 
     python benchmarks/rollout_throughput.py --batch 16 64 --new-tokens 128
     python benchmarks/rollout_throughput.py --engine native sglang   # in an environment with SGLang (docs/sglang.md)
-    python benchmarks/rollout_throughput.py --engine native native:nocache   # rollout.decode_cache on (CPU default) / off
+    python benchmarks/rollout_throughput.py --engine native native:cache   # rollout.decode_cache off (default) / on
     python benchmarks/rollout_throughput.py --quantization none int8 --batch 1 16 64 --new-tokens 64
 
 `--quantization` compares quantized native engines instead (README "Quantized rollouts"): new tokens/s per batch
@@ -125,8 +125,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--modes", nargs="+", default=["fixed"], choices=["fixed", "eos"])
-    ap.add_argument("--engine", nargs="+", default=["native"], choices=["native", "native:nocache", "sglang"],
-                help="native:nocache = the native engine with rollout.decode_cache=off (gathers K/V through the slot table)")
+    ap.add_argument("--engine", nargs="+", default=["native"], choices=["native", "native:cache", "sglang"],
+                help="native:cache = the native engine with rollout.decode_cache=on (contiguous per-sequence K/V copies)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--quantization", nargs="+", default=[],
                     help="compare native engines with these rollout.quantization values (none, int8, int8:dequant, w8a8, fp8)")
@@ -143,7 +143,7 @@ def main() -> None:
     engines = {}
     for name in [e for e in args.engine if e.startswith("native")]:
         engines[name] = NativeEngine(load_model(args.model, args.dtype), tokenizer, num_slots=max(args.batch) * 512,
-                                     decode_cache="off" if name == "native:nocache" else "auto")
+                                     decode_cache="on" if name == "native:cache" else "off")
     if "sglang" in args.engine:
         engines["sglang"] = start_sglang(args.model, args.dtype, max(args.batch), tokenizer)
     print(f"machine: {machine()}\nmodel: {args.model} ({args.dtype}), {args.new_tokens} new tokens\n")

@@ -71,7 +71,7 @@ class NativeEngine:
         quant_kernel: str = "auto",
         quantize_lm_head: bool = False,
         rescore_seqs: int = 0,
-        decode_cache: str = "auto",
+        decode_cache: str = "off",
     ) -> None:
         self.tokenizer = tokenizer
         # True: sleep() also drops the weights (the actor pushes fresh ones after every update anyway).
