@@ -99,6 +99,10 @@ class EngineHost:
     def set_seed(self, seed: int):
         return self._call("set_seed", seed)
 
+    def kv_trace(self):
+        """Kept logical positions of every compaction of the last generate (engines started with kv_trace)."""
+        return self._call("kv_trace")
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -131,6 +135,7 @@ def _serve(address: str, authkey_hex: str, model_dir: str, options_json: str, se
     commands = {
         "generate": engine.generate, "update_weights": update, "sleep": engine.sleep, "wake": engine.wake,
         "stats": engine.stats, "reset_stats": engine.reset_stats, "set_seed": lambda s: setattr(engine, "seed", s),
+        "kv_trace": lambda: engine.kv_trace,
     }
     while True:
         cmd, args = conn.recv()
