@@ -1,6 +1,10 @@
-"""Dense vs compressed rollouts in the native engine: KV memory, concurrency, throughput, mismatch KL.
+"""Dense vs compressed rollouts in the native engine or in SGLang: KV memory, concurrency, throughput, mismatch KL.
 
     python benchmarks/kv_compression.py --requests 64 --new-tokens 1024 --budgets 128 256
+    python benchmarks/kv_compression.py --engine sglang ...   # in the SGLang environment (docs/sglang.md)
+
+With `--engine sglang` every row starts its own SGLang engine (the policy is fixed at start-up) with the same
+pool, running the `sparserl_kv` backend over torch_native on CPU; the engine start is not timed.
 
 Every configuration decodes the same prompts (GSM8K questions in the chat template) with the same seeds at
 temperature 1, ignoring EOS so each sequence reaches `--new-tokens` and compression really runs. The KV pool
@@ -35,12 +39,31 @@ from sparserl.rollout.native.engine import NativeEngine  # noqa: E402
 from sparserl.rollout.types import GenerationRequest, SamplingParams  # noqa: E402
 
 
-def run(model, tokenizer, prompts, kv, num_slots, new_tokens, max_num_seqs=256):
-    engine = NativeEngine(model, tokenizer, num_slots=num_slots, max_num_seqs=max_num_seqs, kv=kv, seed=0)
+def run(model, tokenizer, prompts, kv, num_slots, new_tokens, max_num_seqs=256, engine_kind="native", dtype="float32"):
+    if engine_kind == "sglang":
+        engine = start_sglang(model, tokenizer, kv, num_slots, max_num_seqs, dtype)
+    else:
+        engine = NativeEngine(model, tokenizer, num_slots=num_slots, max_num_seqs=max_num_seqs, kv=kv, seed=0)
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
-    t0 = time.perf_counter()
-    gens = engine.generate([GenerationRequest(p, params, i) for i, p in enumerate(prompts)])
-    return gens, engine.stats(), time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        gens = engine.generate([GenerationRequest(p, params, i) for i, p in enumerate(prompts)])
+        return gens, engine.stats(), time.perf_counter() - t0
+    finally:
+        if engine_kind == "sglang":
+            engine.close()
+
+
+def start_sglang(model, tokenizer, kv, num_slots, max_num_seqs, dtype):
+    import dataclasses
+
+    from sparserl.rollout.sglang.engine import SGLangEngine, SGLangOptions
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    options = SGLangOptions(device=device, dtype=dtype, attention_backend="torch_native" if device == "cpu" else None,
+                            max_total_tokens=num_slots, max_running_requests=max_num_seqs, chunked_prefill_size=8192,
+                            kv=dataclasses.asdict(kv) if kv is not None else None)
+    return SGLangEngine(model.sglang_path, options, tokenizer, seed=0)
 
 
 @torch.inference_mode()
@@ -79,17 +102,22 @@ def main() -> None:
     ap.add_argument("--divide-length", type=int, default=128)
     ap.add_argument("--window", type=int, default=8)
     ap.add_argument("--dense-slots-for", type=int, default=8, help="pool size: this many dense requests")
-    ap.add_argument("--overhead-requests", type=int, default=32)
+    ap.add_argument("--overhead-requests", type=int, default=32, help="0: skip the overhead table")
     ap.add_argument("--overhead-tokens", type=int, default=128)
+    ap.add_argument("--engine", default="native", choices=["native", "sglang"])
     args = ap.parse_args()
     args.dtype = precision.resolve_arg(args.dtype)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, args.dtype)
     use_packed_attention(model)
+    if args.engine == "sglang":
+        from sparserl.actor.hf import resolve_model_path
+
+        model.sglang_path = resolve_model_path(args.model)
     prompts = gsm8k_prompts(tokenizer, args.requests)
     longest = max(len(p) for p in prompts)
     pool = args.dense_slots_for * (longest + args.new_tokens)
-    print(f"machine: {machine()}\nmodel: {args.model} ({args.dtype}); {args.requests} requests x {args.new_tokens} new tokens; "
+    print(f"machine: {machine()}\nengine: {args.engine}; model: {args.model} ({args.dtype}); {args.requests} requests x {args.new_tokens} new tokens; "
           f"prompts {min(len(p) for p in prompts)}-{longest} tokens; pool {pool} slots (= {args.dense_slots_for} dense requests)\n",
           flush=True)
     configs = [("dense", None)] + [(f"{p} b={b}", KVPolicyConfig(algorithm=p, budget=b, window=args.window,
@@ -98,7 +126,8 @@ def main() -> None:
     rows = []
     dense_seq = dense_tps = None
     for name, kv in configs:
-        gens, st, wall = run(model, tokenizer, prompts, kv, pool, args.new_tokens)
+        gens, st, wall = run(model, tokenizer, prompts, kv, pool, args.new_tokens, engine_kind=args.engine,
+                             dtype=str(args.dtype))
         tps = st.new_tokens / wall
         kl = mismatch_kl(model, gens)
         retained = sum(g.kv.retained_tokens for g in gens) / max(1, sum(g.kv.total_tokens for g in gens))
@@ -113,6 +142,8 @@ def main() -> None:
     print()
     print_table(["config", "KV / seq MiB (mean / max)", "vs dense", "pool peak MiB", "running", "new tok/s", "vs dense",
                  "retained", "compressions", "compress s", "KL(sparse||dense)/tok"], rows, title="fixed pool")
+    if args.overhead_requests == 0:
+        return
     # Overhead without triggers: same batch, budget above every sequence's length.
     prompts_o = prompts[: args.overhead_requests]
     big = 10 * (longest + args.overhead_tokens)
@@ -120,8 +151,10 @@ def main() -> None:
     for name, kv in [("dense", None), ("rkv, never triggered", KVPolicyConfig(algorithm="rkv", budget=big, window=args.window))]:
         best = None
         for _ in range(3):
-            _, st, wall = run(model, tokenizer, prompts_o, kv, big * len(prompts_o), args.overhead_tokens)
-            step_ms = 1000 * st.generate_s / st.forward_steps
+            _, st, wall = run(model, tokenizer, prompts_o, kv, big * len(prompts_o), args.overhead_tokens,
+                              engine_kind=args.engine, dtype=str(args.dtype))
+            # SGLang does not count its forwards; all requests run at once there, so a step is a new token each.
+            step_ms = 1000 * st.generate_s / (st.forward_steps or args.overhead_tokens)
             best = step_ms if best is None else min(best, step_ms)
         orow.append([name, f"{best:.1f}"])
     orow[1].append(f"{float(orow[1][1]) / float(orow[0][1]) - 1:+.1%}")
