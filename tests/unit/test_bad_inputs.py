@@ -101,6 +101,7 @@ CASES = [
     ("rollout.quantization", ["rollout.quantization=int4"], "rollout.quantization=int4: must be one of none, int8, w8a8, fp8"),
     ("rollout.quantization_cpu", ["rollout.quantization=w8a8", "parallel.device=cpu"],
      "rollout.quantization=w8a8 is not supported with parallel.device=cpu"),
+    ("rollout.decode_cache", ["rollout.decode_cache=yes"], "rollout.decode_cache=yes: must be one of auto, on, off"),
     ("rollout.rescore_seqs", ["rollout.rescore_seqs=-1"], "rollout.rescore_seqs=-1: must be >= 0"),
     ("rollout.kv.algorithm", ["rollout.kv.algorithm=h2o"], "rollout.kv.algorithm=h2o: must be one of none, rkv, snapkv, streaming"),
     ("rollout.kv.budget", ["rollout.kv.budget=4"], "rollout.kv.budget=4 must be > rollout.kv.window=8"),
