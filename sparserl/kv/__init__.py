@@ -12,13 +12,14 @@ from sparserl.kv.base import (
     select_keep,
 )
 from sparserl.kv import rkv, snapkv, streaming  # noqa: F401  (registers the built-in policies)
-from sparserl.kv.schedule import CompressionSchedule, is_newline_token
+from sparserl.kv.schedule import CompressionSchedule, NewlineTokens, is_newline_token
 
 __all__ = [
     "POLICIES",
     "CompressionSchedule",
     "KVPolicyConfig",
     "is_newline_token",
+    "NewlineTokens",
     "reduce_scores",
     "register_policy",
     "score_tokens",

@@ -28,6 +28,22 @@ def is_newline_token(token_text: str) -> bool:
     return token_text.endswith("\n")
 
 
+class NewlineTokens:
+    """The newline trigger's test per token id (`divide_method == "newline"`), each id decoded once."""
+
+    def __init__(self, divide_method: str) -> None:
+        self.active = divide_method == "newline"
+        self._hit: dict[int, bool] = {}
+
+    def __call__(self, token: int, tokenizer) -> bool:
+        if not self.active:
+            return False
+        hit = self._hit.get(token)
+        if hit is None:
+            hit = self._hit[token] = is_newline_token(tokenizer.decode([token]))
+        return hit
+
+
 def keep_floor(cfg: KVPolicyConfig, prompt_len: int) -> int:
     return cfg.budget if cfg.compress_prompt else max(cfg.budget, prompt_len)
 

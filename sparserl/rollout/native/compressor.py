@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparserl.kv import CompressionSchedule, KVPolicyConfig, is_newline_token, reduce_scores, score_tokens, select_keep
+from sparserl.kv import CompressionSchedule, KVPolicyConfig, NewlineTokens, reduce_scores, score_tokens, select_keep
 from sparserl.rollout.native.scheduler import ScheduledBatch, Scheduler
 from sparserl.rollout.native.sequence import Sequence
 
@@ -56,7 +56,7 @@ class Compressor:
         self._qbuf: list[torch.Tensor] | None = None  # per layer (rows, window, H, D)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._state: dict[int, _SeqState] = {}
-        self._newline: dict[int, bool] = {}
+        self._newline = NewlineTokens(cfg.divide_method)
 
     def max_slots(self, prompt_len: int, max_new_tokens: int, floor_len: int | None = None) -> int:
         return CompressionSchedule.max_slots(self.cfg, prompt_len, max_new_tokens, floor_len)
@@ -148,12 +148,7 @@ class Compressor:
                 self.compress(seq, st, scheduler)
 
     def _is_newline(self, token: int) -> bool:
-        if self.cfg.divide_method != "newline":
-            return False
-        hit = self._newline.get(token)
-        if hit is None:
-            hit = self._newline[token] = is_newline_token(self.tokenizer.decode([token]))
-        return hit
+        return self._newline(token, self.tokenizer)
 
     def _positions(self, st: _SeqState, n: int) -> torch.Tensor:  # (layers, H_kv, n)
         r = self.runner

@@ -43,7 +43,7 @@ from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attenti
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sparserl.kv import KVPolicyConfig, is_newline_token
+from sparserl.kv import KVPolicyConfig, NewlineTokens
 from sparserl.kv.schedule import CompressionSchedule
 from sparserl.rollout.sglang.kv_compactor import KVCompactor
 
@@ -68,7 +68,7 @@ class KVRuntime:
         self.layer_ids = list(range(self.kv_pool.start_layer, self.kv_pool.start_layer + self.kv_pool.layer_num))
         num_kv_heads = self.kv_pool.get_key_buffer(self.layer_ids[0]).shape[1]
         self.compactor = KVCompactor(cfg, len(self.layer_ids), num_kv_heads, self.req_to_token.shape[0], runner.device)
-        self._newline: dict[int, bool] = {}
+        self._newline = NewlineTokens(cfg.divide_method)
         self.high_water = 0
         self.peak_running = 0
         self.compressions = 0
@@ -147,12 +147,7 @@ class KVRuntime:
         self.compress_s += time.perf_counter() - t0
 
     def _is_newline(self, scheduler, token: int) -> bool:
-        if self.cfg.divide_method != "newline":
-            return False
-        hit = self._newline.get(token)
-        if hit is None:
-            hit = self._newline[token] = is_newline_token(scheduler.tokenizer.decode([token]))
-        return hit
+        return self._newline(token, scheduler.tokenizer)
 
     def admission_bound(self, req, held: int) -> int:
         """`max_new_tokens` that makes SGLang's admission reserve this request's compression bound."""
