@@ -10,8 +10,9 @@
   the game ends. No terminal tool: a plain message just ends the episode. With `reward_reduction: sum` an
   episode earns 1 - 0.1 x (wrong guesses).
 
-Train split: 1000 tasks per env (calc: 500 per family), test split: 100 (different seeds). Tasks are plain
-JSON, regenerated identically on every start.
+Train split: 1000 tasks per env (calc: 500 per family), test split: 100, sft split: 1000 for warm-start
+demonstrations (`scripts/make_tool_sft.py`; three different seeds). Tasks are plain JSON, regenerated
+identically on every start. `calc_demonstration(question)` is the expression a correct episode sends to `calc`.
 
 Left out on purpose: harder reasoning-gym families (a 135M model earns nothing there) and any tool with side
 effects outside the session.
@@ -27,7 +28,7 @@ from pydantic import BaseModel
 
 from openreward.environments import Environment, TextBlock, ToolOutput, terminal, tool
 
-SPLITS = {"train": (1000, 0), "test": (100, 1)}  # tasks, seed
+SPLITS = {"train": (1000, 0), "test": (100, 1), "sft": (1000, 2)}  # tasks, seed
 CALC_FAMILIES = {
     "basic_arithmetic": dict(min_terms=2, max_terms=3, min_digits=1, max_digits=2, allow_parentheses=False,
                              operators=("+", "-", "*")),
@@ -85,6 +86,17 @@ def extract_number(message: str) -> str | None:
         return None
     value = float(found[-1])
     return str(int(value)) if value.is_integer() else found[-1]
+
+
+_QUESTION = re.compile(r"^(?:Calculate (?P<a>.+?)\.|.*?: (?P<b>.+?) =)$", re.DOTALL)
+
+
+def calc_demonstration(question: str) -> str:
+    """The expression in a CalcArithmetic question ("Calculate 4 - 1." / "...problem: 4 - 1 =") -> "4 - 1"."""
+    m = _QUESTION.match(question.strip())
+    if m is None:
+        raise ValueError(f"not a CalcArithmetic question: {question!r}")
+    return m.group("a") or m.group("b")
 
 
 # ---------------------------------------------------------------- the environments

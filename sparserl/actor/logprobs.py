@@ -95,7 +95,9 @@ class LogprobHead:
         self.logp = torch.cat([o[0] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
         if self.with_entropy:
             self.entropy = torch.cat([o[1] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
-        return self.logp.view(*hidden.shape[:-1], 1)  # stands in for the logits; callers read the fields
+        # Stands in for the logits; callers read the fields. Detached: the loss reaches the graph through
+        # `self.logp`, never through the model's output (a view of it would only draw FSDP2's view warning).
+        return self.logp.detach().view(*hidden.shape[:-1], 1)
 
     def _chunk(self, h, weight, bias, tgt) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(h, weight, bias)  # (c, V_local)
