@@ -78,6 +78,7 @@ class KVConfig:
     sinks: int = 4  # streaming: attention-sink tokens kept at the start
     share: str = "head"  # head | layer | all
     compress_prompt: bool = False  # may the prompt be compressed below its own length
+    variant: str = "paper"  # paper | reference: rkv/snapkv score as their papers say, or exactly as the R-KV / Sparse-RL code
 
 
 @dataclass

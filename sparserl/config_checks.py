@@ -112,6 +112,7 @@ RULES: dict[str, Rule] = {
     "rollout.kv.sim_threshold": within("[-1, 1]"),
     "rollout.kv.sinks": NON_NEG,
     "rollout.kv.share": one_of("head", "layer", "all"),
+    "rollout.kv.variant": one_of("paper", "reference"),
     "actor.lr": NON_NEG,
     "actor.weight_decay": NON_NEG,
     "actor.betas": each(within("[0, 1)"), length=2),

@@ -5,6 +5,8 @@ Left out on purpose: any engine, pool or slot logic; the engines gather and free
 """
 from sparserl.kv.base import (
     POLICIES,
+    REFERENCE_POLICIES,
+    VARIANTS,
     KVPolicyConfig,
     reduce_scores,
     register_policy,
@@ -16,6 +18,8 @@ from sparserl.kv.schedule import CompressionSchedule, NewlineTokens, is_newline_
 
 __all__ = [
     "POLICIES",
+    "REFERENCE_POLICIES",
+    "VARIANTS",
     "CompressionSchedule",
     "KVPolicyConfig",
     "is_newline_token",

@@ -9,6 +9,11 @@ Conventions every function here relies on:
   per head; their true order is given by `positions`.
 - Scores are float32, higher = keep. `score_tokens` reports the window entries at their head's best candidate
   score, so that normalizing a row (for shared sets) is not distorted by entries that are kept anyway.
+- `variant` picks how a policy scores: `paper` as its paper describes it, `reference` exactly as the public code
+  that Sparse-RL builds on does (R-KV's `rkv/utils.py` and `KVCluster` in Sparse-RL's sglang-kvc fork). A policy
+  registers its reference scoring only where that code differs (`REFERENCE_POLICIES`); the others score the same
+  under both. The reference code also sums raw scores over heads for its one shared set, so under `reference`
+  shared sets sum raw scores (`KVPolicyConfig.normalize_sums`) instead of min-max-normalized ones.
 
 Left out on purpose: values (no built-in policy reads them), anything about slots, pools or engines,
 per-layer budgets (PyramidKV-style), and learned scorers.
@@ -25,20 +30,33 @@ from torch import Tensor
 
 DIVIDE_METHODS = ("step_length", "newline")
 SHARE_MODES = ("head", "layer", "all")
+VARIANTS = ("paper", "reference")
 
 # fn(cfg, keys (H_kv, L, D) f32, queries (H_q, W, D) f32, positions (H_kv, L) long) -> (H_kv, L - n_window) f32:
 # scores of the candidate entries only; the window is handled by `score_tokens` / `select_keep`.
 PolicyFn = Callable[["KVPolicyConfig", Tensor, Tensor, Tensor], Tensor]
-POLICIES: dict[str, PolicyFn] = {}
+POLICIES: dict[str, PolicyFn] = {}  # every policy, scoring as its paper describes (variant=paper)
+REFERENCE_POLICIES: dict[str, PolicyFn] = {}  # variant=reference, only where the reference code scores differently
 
 
-def register_policy(name: str) -> Callable[[PolicyFn], PolicyFn]:
-    """Decorator adding a scoring function to `POLICIES` under `name` (see `PolicyFn` for the contract)."""
+def register_policy(name: str, variant: str = "paper") -> Callable[[PolicyFn], PolicyFn]:
+    """Decorator adding a scoring function under `name` (see `PolicyFn` for the contract).
+
+    variant="paper" registers a new policy; variant="reference" adds the reference-code scoring of a policy
+    already registered, used when `KVPolicyConfig.variant == "reference"`.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"KV policy variant {variant!r} is not valid; valid: {', '.join(VARIANTS)}")
 
     def add(fn: PolicyFn) -> PolicyFn:
-        if name == "none" or name in POLICIES:
-            raise ValueError(f"KV policy name {name!r} is already taken")
-        POLICIES[name] = fn
+        if variant == "paper":
+            if name == "none" or name in POLICIES:
+                raise ValueError(f"KV policy name {name!r} is already taken")
+            POLICIES[name] = fn
+        else:
+            if name not in POLICIES or name in REFERENCE_POLICIES:
+                raise ValueError(f"KV policy {name!r}: a reference scoring needs the policy registered first, once")
+            REFERENCE_POLICIES[name] = fn
         return fn
 
     return add
@@ -62,6 +80,7 @@ class KVPolicyConfig:
     sinks: int = 4  # streaming: attention-sink tokens kept at the start
     share: str = "head"  # head: per-KV-head sets | layer: one set per layer | all: one set per request
     compress_prompt: bool = False  # may the prompt be compressed below its own length
+    variant: str = "paper"  # paper: score as the papers do | reference: exactly as the public R-KV / Sparse-RL code
 
     def __post_init__(self) -> None:
         valid = ("none", *sorted(POLICIES))
@@ -84,6 +103,19 @@ class KVPolicyConfig:
                      f"must be <= budget - window ({self.budget - self.window}) so every sink fits")
         _require(self.share in SHARE_MODES, "share", self.share, f"is not valid; valid: {', '.join(SHARE_MODES)}")
         _require(isinstance(self.compress_prompt, bool), "compress_prompt", self.compress_prompt, "must be a bool")
+        _require(self.variant in VARIANTS, "variant", self.variant, f"is not valid; valid: {', '.join(VARIANTS)}")
+
+    @property
+    def normalize_sums(self) -> bool:
+        """Shared sets sum min-max-normalized rows (paper), or raw scores as the reference code does (reference)."""
+        return self.variant == "paper"
+
+
+def policy_fn(cfg: KVPolicyConfig) -> PolicyFn:
+    """The scoring function of `cfg.algorithm` under `cfg.variant` (the paper's where no reference one exists)."""
+    if cfg.variant == "reference" and cfg.algorithm in REFERENCE_POLICIES:
+        return REFERENCE_POLICIES[cfg.algorithm]
+    return POLICIES[cfg.algorithm]
 
 
 def window_len(cfg: KVPolicyConfig, n_cached: int) -> int:
@@ -143,7 +175,7 @@ def score_tokens(cfg: KVPolicyConfig, keys: Tensor, queries: Tensor, positions: 
     if tuple(positions.shape) != (n_kv, n_cached):
         raise ValueError(f"positions must be (H_kv, L) = {(n_kv, n_cached)}, got {tuple(positions.shape)}")
 
-    candidates = POLICIES[cfg.algorithm](cfg, keys.float(), queries.float(), positions).float()
+    candidates = policy_fn(cfg)(cfg, keys.float(), queries.float(), positions).float()
     assert candidates.shape == (n_kv, n_cached - n_win), f"policy {cfg.algorithm!r} returned {tuple(candidates.shape)}"
     if n_cached > n_win:
         window_score = candidates.amax(dim=-1, keepdim=True)
@@ -152,12 +184,13 @@ def score_tokens(cfg: KVPolicyConfig, keys: Tensor, queries: Tensor, positions: 
     return torch.cat([candidates, window_score.expand(n_kv, n_win)], dim=-1)
 
 
-def select_keep(scores: Tensor, n_keep: int, window: int, shared: bool) -> Tensor:
+def select_keep(scores: Tensor, n_keep: int, window: int, shared: bool, normalize: bool = True) -> Tensor:
     """Indices to keep, (H_kv, n_keep) long, each row sorted ascending and unique.
 
     Per head: the last min(window, L) entries, plus the top (n_keep - window) other entries by score.
-    shared=True picks one set for all heads from the sum of min-max-normalized head scores (rows then equal);
-    it assumes the heads hold the same tokens in the same slots, which a shared set guarantees.
+    shared=True picks one set for all heads from the sum of the head scores, each min-max-normalized first
+    unless normalize=False (rows then equal); it assumes the heads hold the same tokens in the same slots, which a
+    shared set guarantees.
     """
     n_heads, n_cached = scores.shape
     if n_keep >= n_cached:
@@ -168,21 +201,23 @@ def select_keep(scores: Tensor, n_keep: int, window: int, shared: bool) -> Tenso
     n_cand = n_cached - n_win
     candidates = scores[:, :n_cand].float()
     if shared:
-        candidates = normalize_rows(candidates).sum(dim=0, keepdim=True)  # (1, C)
+        candidates = (normalize_rows(candidates) if normalize else candidates).sum(dim=0, keepdim=True)  # (1, C)
     top = candidates.topk(n_keep - n_win, dim=-1, sorted=False).indices.sort(dim=-1).values
     recent = torch.arange(n_cand, n_cached, device=scores.device).expand(top.shape[0], n_win)
     return torch.cat([top, recent], dim=-1).expand(n_heads, n_keep).contiguous()
 
 
-def reduce_scores(scores_list: list[Tensor]) -> Tensor:
+def reduce_scores(scores_list: list[Tensor], normalize: bool = True) -> Tensor:
     """share=all: one score row set per request from every layer's (H_kv or 1, L) scores.
 
-    Each layer is min-max-normalized per row before the sum so no layer dominates by scale; the result has
-    the broadcast shape, (H_kv, L) or (1, L), and goes to `select_keep(..., shared=True)`.
+    Each layer is min-max-normalized per row before the sum so no layer dominates by scale (normalize=False:
+    raw sums); the result has the broadcast shape, (H_kv, L) or (1, L), and goes to
+    `select_keep(..., shared=True)`.
     """
     if not scores_list:
         raise ValueError("reduce_scores needs the scores of at least one layer")
-    total = normalize_rows(scores_list[0].float())
+    norm = normalize_rows if normalize else (lambda scores: scores)
+    total = norm(scores_list[0].float())
     for scores in scores_list[1:]:
-        total = total + normalize_rows(scores.float())
+        total = total + norm(scores.float())
     return total

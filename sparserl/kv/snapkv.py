@@ -5,6 +5,10 @@ does at prefill); the probabilities are averaged over the query heads of a KV gr
 does, unlike R-KV's max), summed over the window rows (the original's vote), restricted to the candidates
 (all but the window), and max-pooled along the token order with `kernel`.
 
+variant=reference: SnapKV as the R-KV code base and Sparse-RL's sglang-kvc run it at decode time, which is R-KV's
+importance alone (`rkv_importance`): GQA max over the logits, a softmax over the candidates only (window keys
+left out), the mean over the window rows, max-pooled.
+
 Left out on purpose: average pooling (the original's default; the LongBench configs and R-KV's decode-time
 adaptation use max), prompt-only application, and per-layer capacities.
 """
@@ -14,6 +18,7 @@ import torch
 from torch import Tensor
 
 from sparserl.kv.base import KVPolicyConfig, attention_logits, pool_by_position, register_policy, window_len
+from sparserl.kv.rkv import rkv_importance
 
 
 @register_policy("snapkv")
@@ -28,3 +33,9 @@ def snapkv_scores(cfg: KVPolicyConfig, keys: Tensor, queries: Tensor, positions:
     attention = logits.masked_fill(future, float("-inf")).softmax(dim=-1).mean(dim=1)  # (H_kv, W, L)
     votes = attention[..., :n_cand].sum(dim=1)  # (H_kv, C)
     return pool_by_position(votes, positions[:, :n_cand], cfg.kernel)
+
+
+@register_policy("snapkv", variant="reference")
+def snapkv_reference_scores(cfg: KVPolicyConfig, keys: Tensor, queries: Tensor, positions: Tensor) -> Tensor:
+    n_cand = keys.shape[1] - window_len(cfg, keys.shape[1])
+    return rkv_importance(keys, queries, positions, n_cand, cfg.kernel)

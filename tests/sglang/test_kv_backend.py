@@ -1,11 +1,13 @@
 """The sparserl_kv attention backend in a real SGLang engine (tiny random fp32 Llama, CPU, torch_native base).
 
-- a budget the sequences never reach: the same tokens and log-probs as the dense engine, no compaction;
+- a budget the sequences never reach, for each policy (rkv, snapkv, streaming): the same tokens and log-probs as
+  the dense engine, no compaction;
 - R-KV budget 32 / divide_length 16 / window 8 / share=head: the same tokens as the native engine, and the same
   kept logical positions at every trigger, for 80 new tokens;
 - a pool that holds 2 sequences densely runs 8 compressed ones at once, every slot free again after each
   generate (the engine raises otherwise; SGLang's own per-step conservation check is on in these hosts).
-Two engines are started for this file (one per policy config); each test reuses them.
+Four engines are started for this file (one per policy config, one at a time for the wide ones); each test
+reuses them.
 """
 import dataclasses
 import os
@@ -44,10 +46,11 @@ def _host(tiny_dirs, **options):
     return EngineHost(tiny_dirs["llama"], host_options(**options), start_timeout=1200)
 
 
-@pytest.fixture(scope="module")
-def wide_host(tiny_dirs):
-    """R-KV with a budget no sequence here reaches, over a roomy pool."""
-    host = _host(tiny_dirs, kv=dataclasses.asdict(KVPolicyConfig(algorithm="rkv", budget=512, divide_length=16, window=8)))
+@pytest.fixture(scope="module", params=["rkv", "snapkv", "streaming"])
+def wide_host(request, tiny_dirs):
+    """The policy with a budget no sequence here reaches, over a roomy pool."""
+    policy = KVPolicyConfig(algorithm=request.param, budget=512, divide_length=16, window=8)
+    host = _host(tiny_dirs, kv=dataclasses.asdict(policy))
     yield host
     host.close()
 
@@ -60,11 +63,25 @@ def rkv_host(tiny_dirs):
     host.close()
 
 
+@pytest.fixture(scope="module")
+def dense_runs(hosts):
+    """The dense engine's generations per sampling params, made once for every policy: a repeat would prefill from
+    that engine's radix cache, which rounds differently from a full prefill."""
+    runs = {}
+
+    def get(params, reqs):
+        if params not in runs:
+            runs[params] = hosts("llama").generate(reqs)
+        return runs[params]
+
+    return get
+
+
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0, max_new_tokens=48, n=2, seed=3, ignore_eos=True)])
-def test_budget_above_the_sequence_changes_nothing(params, wide_host, hosts):
+def test_budget_above_the_sequence_changes_nothing(params, wide_host, dense_runs):
     wide = wide_host
     reqs = requests(params, PROMPTS[:3])
-    dense, kept = hosts("llama").generate(reqs), wide.generate(reqs)
+    dense, kept = dense_runs(params, reqs), wide.generate(reqs)
     for d, k in zip(dense, kept):
         assert k.token_ids == d.token_ids
         if params.temperature == 0:

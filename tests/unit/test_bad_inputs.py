@@ -116,6 +116,7 @@ CASES = [
     ("rollout.kv.sinks_fit", ["rollout.kv.algorithm=streaming", "rollout.kv.budget=16", "rollout.kv.sinks=10"],
      "rollout.kv.sinks=10 must be <="),
     ("rollout.kv.share", ["rollout.kv.share=batch"], "rollout.kv.share=batch"),
+    ("rollout.kv.variant", ["rollout.kv.variant=official"], "rollout.kv.variant=official: must be one of paper, reference"),
     ("actor.lr", ["actor.lr=-1"], "actor.lr=-1.0: must be >= 0"),
     ("actor.lr_nan", ["actor.lr=nan"], "actor.lr=nan: must be a finite number >= 0"),
     ("actor.weight_decay", ["actor.weight_decay=-0.1"], "actor.weight_decay=-0.1"),
@@ -323,11 +324,12 @@ def test_listed_names_match_their_registries():
     from sparserl.actor.hf import DTYPES
     from sparserl.algo import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES
     from sparserl.data.dataset import ANSWER_EXTRACTORS, CHAT_TEMPLATE_MODES
-    from sparserl.kv import POLICIES  # the package registers the built-in policies
+    from sparserl.kv import POLICIES, VARIANTS  # the package registers the built-in policies
     from sparserl.utils.logging import WANDB_MODES
 
     names = lambda key: set(RULES[key].names)  # noqa: E731
     assert names("rollout.kv.algorithm") == {"none", *POLICIES}
+    assert names("rollout.kv.variant") == set(VARIANTS)
     assert names("algo.adv_estimator") == set(ADV_ESTIMATORS)
     assert names("algo.loss_agg") == set(LOSS_AGG)
     assert names("algo.kl.estimator") == set(KL_ESTIMATORS)

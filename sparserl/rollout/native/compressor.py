@@ -171,17 +171,20 @@ class Compressor:
         w = min(self.window, st.queries_seen, n)
         order = torch.tensor([(st.queries_seen - w + i) % self.window for i in range(w)], device=r.device)
         shared = self.cfg.share != "head"
+        norm = self.cfg.normalize_sums  # shared sets: normalized (paper) or raw (reference) score sums
         scores = []
         for layer in range(r.num_layers):
             keys = r.k_cache[layer][slots].transpose(0, 1)  # (H_kv, n, D)
             queries = self._qbuf[layer][st.row, order].transpose(0, 1)  # (H, w, D)
             scores.append(score_tokens(self.cfg, keys, queries, positions[layer]))
         if self.cfg.share == "all":
-            idx_all = select_keep(reduce_scores(scores).expand(r.num_kv_heads, -1), keep, w, shared=True)
+            combined = reduce_scores(scores, norm).expand(r.num_kv_heads, -1)
+            idx_all = select_keep(combined, keep, w, shared=True, normalize=norm)
         kept_pos = []
         dst = slots[:keep]
         for layer in range(r.num_layers):
-            idx = idx_all if self.cfg.share == "all" else select_keep(scores[layer], keep, w, shared)  # (H_kv, keep)
+            # (H_kv, keep)
+            idx = idx_all if self.cfg.share == "all" else select_keep(scores[layer], keep, w, shared, norm)
             heads = torch.arange(r.num_kv_heads, device=r.device)[:, None]
             src = slots[idx]  # (H_kv, keep) physical slot per head
             for cache in (r.k_cache[layer], r.v_cache[layer]):

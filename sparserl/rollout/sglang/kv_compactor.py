@@ -144,18 +144,21 @@ class KVCompactor:
         w = min(self.window, st.queries_seen, n)
         order = torch.tensor([(st.queries_seen - w + i) % self.window for i in range(w)], device=self.device)
         shared = self.cfg.share != "head"
+        norm = self.cfg.normalize_sums  # shared sets: normalized (paper) or raw (reference) score sums
         scores = []
         for layer in range(self.num_layers):
             keys = k_buffers[layer][slots].transpose(0, 1)  # (H_kv, n, D)
             queries = self._qbuf[layer][row, order].transpose(0, 1)  # (H_q, w, D)
             scores.append(score_tokens(self.cfg, keys, queries, positions[layer]))
         if self.cfg.share == "all":
-            idx_all = select_keep(reduce_scores(scores).expand(self.num_kv_heads, -1), keep, w, shared=True)
+            combined = reduce_scores(scores, norm).expand(self.num_kv_heads, -1)
+            idx_all = select_keep(combined, keep, w, shared=True, normalize=norm)
         heads = torch.arange(self.num_kv_heads, device=self.device)[:, None]
         dst = slots[:keep]
         kept = []
         for layer in range(self.num_layers):
-            idx = idx_all if self.cfg.share == "all" else select_keep(scores[layer], keep, w, shared)  # (H_kv, keep)
+            # (H_kv, keep)
+            idx = idx_all if self.cfg.share == "all" else select_keep(scores[layer], keep, w, shared, norm)
             src = slots[idx]  # (H_kv, keep): the pool slot each head reads its j-th kept entry from
             for buf in (k_buffers[layer], v_buffers[layer]):
                 gathered = buf[src, heads]  # (H_kv, keep, D), a copy, so the in-place write below is safe
