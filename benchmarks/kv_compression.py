@@ -16,6 +16,12 @@ is fixed for all rows: room for `--dense-slots-for` dense requests. Columns:
 - running: most sequences decoding at once under that pool;
 - KL: mean over sampled tokens of logp_sparse - logp_dense, where logp_dense is a full-attention recompute
   of the same tokens with the same weights (an unbiased estimate of KL(sparse || dense) per token).
+With `--engine sglang`, plain SGLang (the `dense` row) reports no pool counters: SGLang admits requests by its
+own estimate and retracts some when the pool runs out, and its running count and pool high-water mark are not
+exposed. `--dense backend` (or `both`, the default there) adds a `dense (backend)` row: the `sparserl_kv`
+backend with a budget above every sequence's length, which never compresses (same tokens and log-probs as
+plain SGLang: tests/sglang/test_kv_backend.py) but admits by the dense bound and counts the scheduler's running
+requests and slots. Columns it cannot measure show `-`.
 The second table times decode steps with compression configured but never triggered (budget above the
 sequence length) against dense, the overhead of capturing queries.
 """
@@ -98,7 +104,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--budgets", type=int, nargs="+", default=[128, 256])
-    ap.add_argument("--policies", nargs="+", default=["rkv", "snapkv", "streaming"])
+    ap.add_argument("--policies", nargs="*", default=["rkv", "snapkv", "streaming"])
+    ap.add_argument("--dense", choices=["plain", "backend", "both"], default=None,
+                    help="dense rows: plain engine, the sglang backend that never compresses, or both "
+                         "(default: plain for native, both for sglang)")
     ap.add_argument("--divide-length", type=int, default=128)
     ap.add_argument("--window", type=int, default=8)
     ap.add_argument("--dense-slots-for", type=int, default=8, help="pool size: this many dense requests")
@@ -120,9 +129,14 @@ def main() -> None:
     print(f"machine: {machine()}\nengine: {args.engine}; model: {args.model} ({args.dtype}); {args.requests} requests x {args.new_tokens} new tokens; "
           f"prompts {min(len(p) for p in prompts)}-{longest} tokens; pool {pool} slots (= {args.dense_slots_for} dense requests)\n",
           flush=True)
-    configs = [("dense", None)] + [(f"{p} b={b}", KVPolicyConfig(algorithm=p, budget=b, window=args.window,
-                                                                   divide_length=args.divide_length))
-                                   for b in args.budgets for p in args.policies]
+    dense = args.dense or ("both" if args.engine == "sglang" else "plain")
+    if dense != "plain" and args.engine != "sglang":
+        ap.error("--dense backend|both is for --engine sglang")
+    never = KVPolicyConfig(algorithm="rkv", budget=longest + args.new_tokens + 1, window=args.window,
+                           divide_length=args.divide_length)
+    configs = ([("dense", None)] if dense != "backend" else []) + ([("dense (backend)", never)] if dense != "plain" else [])
+    configs += [(f"{p} b={b}", KVPolicyConfig(algorithm=p, budget=b, window=args.window, divide_length=args.divide_length))
+                for b in args.budgets for p in args.policies]
     rows = []
     dense_seq = dense_tps = None
     for name, kv in configs:
@@ -133,11 +147,13 @@ def main() -> None:
         retained = sum(g.kv.retained_tokens for g in gens) / max(1, sum(g.kv.total_tokens for g in gens))
         per_seq = [g.kv.peak_slots * st.kv_bytes_per_slot for g in gens]
         seq_mean, seq_max = sum(per_seq) / len(per_seq), max(per_seq)
-        if kv is None:
+        if dense_seq is None:  # the first row is a dense one: the reference of the "vs dense" columns
             dense_seq, dense_tps = seq_mean, tps
+        counted = not (args.engine == "sglang" and kv is None)  # plain SGLang exposes no pool counters
         rows.append([name, f"{seq_mean / 2**20:.1f} / {seq_max / 2**20:.1f}", f"{seq_mean / dense_seq:.1%}",
-                     f"{st.peak_kv_bytes / 2**20:.0f}", st.peak_running, f"{tps:.1f}", f"{tps / dense_tps:.2f}x",
-                     f"{retained:.1%}", st.compressions, f"{st.compress_s:.1f}", f"{kl:.4f}"])
+                     f"{st.peak_kv_bytes / 2**20:.0f}" if counted else "-", st.peak_running if counted else "-",
+                     f"{tps:.1f}", f"{tps / dense_tps:.2f}x", f"{retained:.1%}", st.compressions, f"{st.compress_s:.1f}",
+                     f"{kl:.4f}"])
         print(rows[-1], flush=True)
     print()
     print_table(["config", "KV / seq MiB (mean / max)", "vs dense", "pool peak MiB", "running", "new tok/s", "vs dense",
