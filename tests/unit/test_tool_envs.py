@@ -173,7 +173,7 @@ def test_task_rows_from_a_server_of_several_envs(server):
     with pytest.raises(UserError, match=r"local/Abacus: the server at .* serves calcarithmetic, guessnumber, faultycalc"):
         task_rows(resolve_envs(cfg))
     cfg.envs = {"local/GuessNumber": {"splits": ["valid"]}}
-    with pytest.raises(UserError, match=r"'valid' is not a split of local/GuessNumber \(its splits: train, test\)"):
+    with pytest.raises(UserError, match=r"'valid' is not a split of local/GuessNumber \(its splits: train, test, sft\)"):
         task_rows(resolve_envs(cfg))
 
 
