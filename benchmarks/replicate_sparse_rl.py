@@ -84,6 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eval-n", type=int, default=2, help="samples per held-out prompt")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and stop")
     ap.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for the GRPO runs")
+    ap.set_defaults(env=ENV_PATH, compress_prompt=True)
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.sft_steps, args.sft_batch = 2, 2, 2
@@ -97,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------- commands
+# Shared with benchmarks/replicate_long.py: they read the task (`args.env`) and the KV settings (`args.budget`,
+# `args.divide_length`, `args.compress_prompt`) from the parsed arguments.
 
 
 def python_module(module: str, nproc: int = 1) -> list[str]:
@@ -107,20 +110,24 @@ def python_module(module: str, nproc: int = 1) -> list[str]:
 
 def sft_command(args, out: Path, data: Path) -> list[str]:
     return python_module("sparserl.trainer.sft") + [
-        f"model.path={args.model}", f"env.path={ENV_PATH}", f"data.train_path={data}", f"trainer.output_dir={out}",
+        f"model.path={args.model}", f"env.path={args.env}", f"data.train_path={data}", f"trainer.output_dir={out}",
         f"trainer.total_steps={args.sft_steps}", f"trainer.prompts_per_step={args.sft_batch}", f"actor.lr={args.sft_lr}",
         f"actor.warmup_steps={min(3, args.sft_steps - 1)}", f"trainer.seed={args.seed}",
     ]
 
 
-def grpo_command(args, preset: str, model: Path, data: Path, out: Path) -> list[str]:
+def kv_overrides(args) -> list[str]:
+    return [f"rollout.kv.budget={args.budget}", f"rollout.kv.divide_length={args.divide_length}",
+            f"rollout.kv.compress_prompt={str(args.compress_prompt).lower()}"]
+
+
+def grpo_command(args, preset: str, model: Path, data: Path, out: Path, extra: tuple[str, ...] = ()) -> list[str]:
     # The KV keys are set for every preset (the dense one ignores them), so the runs differ only in the preset.
     return python_module("sparserl.trainer.grpo", args.nproc) + [
-        f"+preset={preset}", f"model.path={model}", f"env.path={ENV_PATH}", f"data.train_path={data}",
+        f"+preset={preset}", f"model.path={model}", f"env.path={args.env}", f"data.train_path={data}",
         f"trainer.output_dir={out}", f"trainer.total_steps={args.steps}", f"trainer.prompts_per_step={args.prompts_per_step}",
         f"trainer.seed={args.seed}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}",
-        f"actor.lr={args.lr}", f"rollout.kv.budget={args.budget}", f"rollout.kv.divide_length={args.divide_length}",
-        "rollout.kv.compress_prompt=true", *args.override,
+        f"actor.lr={args.lr}", *kv_overrides(args), *extra, *args.override,
     ]
 
 
@@ -143,47 +150,69 @@ def run(cmd: list[str], log: Path) -> float:
     return time.perf_counter() - t0
 
 
+def run_grpo(cmd: list[str], run_dir: Path, steps: int, stamp: Path, log: Path, keep_checkpoints: bool) -> float | None:
+    """Run a GRPO command unless `run_dir` already holds its `steps` steps and final policy from this very command
+    (recorded in `stamp`); returns the seconds it took, None when reused. Drops the DCP checkpoints unless kept."""
+    if (len(read_metrics(run_dir)) >= steps and (run_dir / "hf").exists() and stamp.exists()
+            and stamp.read_text() == shlex.join(cmd)):
+        print(f"\n{run_dir}: already has its {steps} steps from this command; not rerun")
+        return None
+    stamp.unlink(missing_ok=True)
+    took = run(cmd, log)
+    stamp.write_text(shlex.join(cmd))
+    if not keep_checkpoints:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    return took
+
+
 # ----------------------------------------------------------------------------- data and results
 
 
-def write_data(args, folder: Path) -> tuple[Path, Path]:
+def env_module(args):
     from sparserl.utils.envload import load_env
 
-    env = load_env(str(ROOT / ENV_PATH)).module
+    return load_env(str(ROOT / args.env)).module
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_data(args, folder: Path) -> tuple[Path, Path]:
+    env = env_module(args)
     size = dict(num_facts=args.facts, filler_sentences=args.filler)
     num_prompts = max(256, args.steps * args.prompts_per_step)
-    folder.mkdir(parents=True, exist_ok=True)
-    prompts, sft = folder / "prompts.jsonl", folder / "sft.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in env.make_prompts(num_prompts, args.seed, **size)))
-    sft.write_text("".join(json.dumps(r) + "\n" for r in env.make_sft_examples(max(512, args.sft_steps * args.sft_batch),
-                                                                                args.seed, **size)))
+    prompts = write_jsonl(folder / "prompts.jsonl", env.make_prompts(num_prompts, args.seed, **size))
+    sft = write_jsonl(folder / "sft.jsonl", env.make_sft_examples(max(512, args.sft_steps * args.sft_batch), args.seed, **size))
     return prompts, sft
 
 
 def eval_command(args, model_dir: Path, data: Path, out: Path, compressed: bool) -> list[str]:
     """`python -m sparserl.eval` on the held-out rows: temperature 1 (as in training), `--eval-n` samples each,
-    dense or with the runs' R-KV compression (same budget, divide_length, compress_prompt)."""
-    held_out = f"{{name:recall,path:'{data}',prompt_key:prompt,answer_key:answer,env:{ENV_PATH}}}"
+    dense or with the runs' R-KV compression (same budget, divide_length, compress_prompt). The set is named
+    after the env file (`recall`), which is where eval.json puts its metrics."""
+    held_out = f"{{name:{eval_set_name(args)},path:'{data}',prompt_key:prompt,answer_key:answer,env:{args.env}}}"
     cmd = python_module("sparserl.eval") + [
         f"model.path={model_dir}", f"eval.datasets=[{held_out}]", f"eval.n={args.eval_n}", "eval.k=[1]",
         "eval.temperature=1.0", f"eval.max_new_tokens={args.max_new_tokens}", f"eval.seed={args.seed + 1}",
         f"eval.output_dir={out}", "logger.progress=false",
     ]
     if compressed:
-        cmd += ["rollout.kv.algorithm=rkv", f"rollout.kv.budget={args.budget}",
-                f"rollout.kv.divide_length={args.divide_length}", "rollout.kv.compress_prompt=true"]
+        cmd += ["rollout.kv.algorithm=rkv", *kv_overrides(args)]
     return cmd
+
+
+def eval_set_name(args) -> str:
+    return Path(args.env).stem
 
 
 def evaluation_table(args, models: dict[str, Path], out: Path) -> tuple[list[str], list[list]]:
     """Dense and compressed held-out reward (avg@n of `sparserl.eval`) of the warm-start and of every run's final policy."""
-    from sparserl.utils.envload import load_env
-
-    env = load_env(str(ROOT / ENV_PATH)).module
-    rows = env.make_prompts(args.eval_prompts, args.seed + 10_000, num_facts=args.facts, filler_sentences=args.filler)
-    data = out / "data" / "held_out.jsonl"
-    data.parent.mkdir(parents=True, exist_ok=True)
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = env_module(args).make_prompts(args.eval_prompts, args.seed + 10_000, num_facts=args.facts,
+                                         filler_sentences=args.filler)
+    data = write_jsonl(out / "data" / "held_out.jsonl", rows)
     table, start = [], None
     for name, path in models.items():
         if not (path / "config.json").exists():
@@ -192,7 +221,7 @@ def evaluation_table(args, models: dict[str, Path], out: Path) -> tuple[list[str
         for mode in ("dense", "rkv"):
             folder = out / "eval" / f"{name}_{mode}"
             run(eval_command(args, path, data, folder, mode == "rkv"), out / "eval" / f"{name}_{mode}.log")
-            means.append(json.loads((folder / "eval.json").read_text())["datasets"]["recall"][f"avg@{args.eval_n}"])
+            means.append(json.loads((folder / "eval.json").read_text())["datasets"][eval_set_name(args)][f"avg@{args.eval_n}"])
         dense, sparse = means
         start = dense if start is None else start
         table.append([name, f"{dense:.3f}", f"{dense - start:+.3f}", f"{sparse:.3f}"])
@@ -268,16 +297,9 @@ def main(argv=None) -> None:
     else:
         print(f"\nwarm-start: reusing {sft_dir / 'hf'} (--redo-sft reruns it)")
     for preset, cmd in zip(PRESETS, commands[1:]):
-        stamp = out / f"{preset}.cmd"  # a finished run is reused only if the same command made it
-        if (len(read_metrics(runs[preset])) >= args.steps and (runs[preset] / "hf").exists() and stamp.exists()
-                and stamp.read_text() == shlex.join(cmd)):
-            print(f"\n{preset}: {runs[preset]} already has its {args.steps} steps from this command; not rerun")
-            continue
-        stamp.unlink(missing_ok=True)
-        seconds[preset] = run(cmd, out / f"{preset}.log")
-        stamp.write_text(shlex.join(cmd))
-        if not args.keep_checkpoints:
-            shutil.rmtree(runs[preset] / "checkpoints", ignore_errors=True)
+        took = run_grpo(cmd, runs[preset], args.steps, out / f"{preset}.cmd", out / f"{preset}.log", args.keep_checkpoints)
+        if took is not None:
+            seconds[preset] = took
 
     from plot_metrics import plot_runs
 

@@ -10,6 +10,8 @@ much the compressed KV cache changed the probability of the token it sampled. `c
     so the surviving weights average 1; "all" (the reference recipe's, verl / slime) divides by the mean of
     min(xi, is_cap) over every response token, taken before any rejection or masking;
   * metrics, always including the mismatch diagnostics, even when the correction is off.
+`low_xi_metrics` adds the share of tokens with xi < 0.1 (among positive-advantage ones, and overall); it needs
+the advantages, so the trainer calls it apart, once they exist.
 
 All decisions are taken on the clamped log-ratio, so thresholds are meaningful inside (e^-20, e^20);
 a token the dense policy gives probability 0 (logp_old = -inf) clamps to xi = e^-20 and trips the veto.
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 LOG_RATIO_CLAMP = 20.0
+LOW_XI = 0.1  # the threshold of `low_xi_metrics`
 Reduce = Callable[[Tensor], Tensor]
 
 
@@ -257,6 +260,32 @@ def _metrics(s: dict[str, float], m: dict[str, float], norm_factor: float, with_
 
 def _identity(x: Tensor) -> Tensor:
     return x
+
+
+@torch.no_grad()
+def low_xi_metrics(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor, advantages: Tensor,
+                   reduce_sum: Reduce | None = None) -> dict[str, float]:
+    """How many sampled tokens the dense policy finds far less likely than the sampler did (xi < LOW_XI).
+
+    `mismatch/low_xi_pos_adv_frac`: among response tokens of sequences with a positive advantage, the fraction
+    with xi < 0.1. An uncorrected update raises the log-prob of every positive-advantage token, and a token
+    that the compressed sampler drew at >= 10x the dense probability is where that push moves the dense policy
+    furthest from what it would have sampled (the Sparse-RL veto and token mask drop exactly these).
+    `mismatch/low_xi_frac`: the same over all response tokens. Both are taken on `mask` as given (pass the
+    response mask, not a corrected one); `advantages` is (B,), (B, 1) or (B, T). Needs the advantages, so the
+    trainer calls it once they exist, apart from `correct`.
+    """
+    reduce_sum = reduce_sum or _identity
+    log_xi, on = log_ratio(logp_old, logp_sparse, mask)  # (B, T)
+    adv = advantages.detach()
+    adv = adv.reshape(-1, 1) if adv.dim() == 1 else adv  # (B, 1) or (B, T)
+    pos = on & (adv > 0)  # (B, T)
+    low = log_xi < math.log(LOW_XI)  # (B, T)
+    f = torch.float64
+    s = reduce_sum(torch.stack([on.sum().to(f), (on & low).sum().to(f), pos.sum().to(f), (pos & low).sum().to(f)]))
+    tok, tok_low, pos_tok, pos_low = s.tolist()
+    return {"mismatch/low_xi_frac": tok_low / tok if tok else 0.0,
+            "mismatch/low_xi_pos_adv_frac": pos_low / pos_tok if pos_tok else 0.0}
 
 
 def correct(

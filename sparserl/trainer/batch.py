@@ -16,7 +16,7 @@ from sparserl.actor.actor import TrainBatch
 from sparserl.actor.logprobs import prompt_key
 from sparserl.algo.advantages import compute_advantages
 from sparserl.algo.aggregation import Normalizer
-from sparserl.algo.correction import CorrectionConfig, correct, dist_reduce_sum, token_decisions
+from sparserl.algo.correction import CorrectionConfig, correct, dist_reduce_sum, low_xi_metrics, token_decisions
 from sparserl.algo.loss import LossConfig, kl_reward_penalty, policy_objective
 from sparserl.config import AlgoConfig, Config
 from sparserl.data.packing import balanced_partition, contiguous_minibatches, prompt_units
@@ -57,8 +57,13 @@ def apply_correction(algo: AlgoConfig, batch: TrainBatch, dp_group) -> tuple[tor
 
 
 def set_advantages(algo: AlgoConfig, batch: TrainBatch, samples: list[Sample], n: int, rejected: torch.Tensor | None,
-                   loss_cfg: LossConfig) -> dict:
-    """`rejected` (B,) is None on the single-update path, which is never taken when advantages depend on it."""
+                   loss_cfg: LossConfig, dp_group=None) -> dict:
+    """`rejected` (B,) is None on the single-update path, which is never taken when advantages depend on it.
+
+    Where logp_old is already known (the separate-pass path), also the `mismatch/low_xi_*` metrics, on the
+    samples' own response masks (batch.mask may be the corrected one by now); the single-update path logs
+    them from `FusedOldLogprobLoss.finalize`.
+    """
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=batch.mask.device)
     metrics: dict[str, float] = {}
     if loss_cfg.kl_coef and loss_cfg.kl_mode == "reward":
@@ -72,6 +77,10 @@ def set_advantages(algo: AlgoConfig, batch: TrainBatch, samples: list[Sample], n
     adv, m = compute_advantages(algo.adv_estimator, rewards.view(-1, n), valid)
     batch.advantages = adv.reshape(-1)
     metrics.update(m)
+    if batch.logp_old is not None:
+        response_mask = pad([s.loss_mask for s in samples], batch.mask.shape[1], batch.mask.device)
+        metrics.update(low_xi_metrics(batch.logp_old, batch.logp_sparse, response_mask, batch.advantages,
+                                      dist_reduce_sum(dp_group)))
     return metrics
 
 
@@ -157,6 +166,8 @@ class FusedOldLogprobLoss:
         logp_old = self._logp_old if self._logp_old is not None else torch.zeros_like(batch.mask)
         corr, self.metrics = correct(self.cfg, logp_old[index], batch.logp_sparse[index], batch.mask[index],
                                      reduce_sum=dist_reduce_sum(self.dp_group))
+        self.metrics = self.metrics | low_xi_metrics(logp_old[index], batch.logp_sparse[index], batch.mask[index],
+                                                     batch.advantages[index], dist_reduce_sum(self.dp_group))
         batch.logp_old, self._logp_old = logp_old, None
         if not self.applying:
             return 1.0, {}

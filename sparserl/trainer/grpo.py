@@ -132,7 +132,7 @@ def train(cfg: Config) -> None:
 
         # 5-6: sparse/dense mismatch correction (inside the update on the single-update path), then advantages.
         rejected, correction_metrics = apply_correction(cfg.algo, batch, actor.dp_group) if not fused else (None, {})
-        adv_metrics = set_advantages(cfg.algo, batch, samples, params.n, rejected, loss_cfg)
+        adv_metrics = set_advantages(cfg.algo, batch, samples, params.n, rejected, loss_cfg, actor.dp_group)
         if injected_nan(step, info.rank):  # SPARSERL_FAULT drill (trainer/faults.py)
             batch.advantages.fill_(float("nan"))
 
