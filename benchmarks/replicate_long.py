@@ -1,6 +1,6 @@
 """Sparse-RL replication on long responses: dense vs naive sparse vs Sparse-RL on a 30-link chain task, several seeds.
 
-    python benchmarks/replicate_long.py --out outputs/replicate_long                 # the full experiment (3 seeds, ~100 min est.)
+    python benchmarks/replicate_long.py --out outputs/replicate_long                 # the full experiment (3 seeds, 94.7 min on a 2-core EPYC)
     python benchmarks/replicate_long.py --out /tmp/replicate_long_quick --quick      # smoke run, one seed, ~2 min
 
 The task (envs/long_chain.py) lists 30 word links "a -> b" in a random order and asks for the chain from a
@@ -41,8 +41,8 @@ SmolLM2-135M-Instruct from 0.00 to 0.39 held-out dense score (16 prompts, temper
 scores 0.19 under this compression: room to improve densely, and compressed rollouts that still earn reward.
 8 GRPO steps x 2 prompts x 4 samples at lr 1e-5 (one dense pilot run moved the held-out score 0.39 -> 0.43), 16
 held-out prompts. Measured on an idle moment of the 2-core CPU box: ~66 s per GRPO step (rollout 35-45 s, update
-~26 s), ~9 min per run, ~80 s per evaluation; so the whole experiment (warm-start, 9 runs, 11 evaluations) comes to
-an estimated ~100 min, over a 90-minute target, and 8 steps give a small dense gain. `--steps 16` gives the runs
+~26 s), ~9 min per run, ~80 s per evaluation; the whole experiment (warm-start, 9 runs, 11 evaluations) took
+94.7 min, over a 90-minute target, and 8 steps give a small dense gain (results: README). `--steps 16` gives the runs
 twice the updates for ~3 h.
 
 Left out on purpose: a warm-start per seed (seeds vary the RL, not the starting policy), and compressed
@@ -55,6 +55,7 @@ import json
 import math
 import shlex
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -246,7 +247,8 @@ def plot_bands(curve: dict, keys: list[str], out: Path, title: str, cols: int = 
         ax.grid(alpha=0.3)
         if i == 0:
             ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    # wrapped to the figure width: a one-panel figure is narrower than a long title
+    fig.suptitle("\n".join(textwrap.wrap(title, width=int(fig.get_figwidth() * 13))), fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
