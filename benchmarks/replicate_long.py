@@ -63,8 +63,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from benchmarks.common import machine, print_table  # noqa: E402
-from benchmarks.replicate_sparse_rl import (PRESETS, env_module, eval_command, eval_set_name, grpo_command,  # noqa: E402
-                                            read_metrics, run, run_grpo, sft_command, write_jsonl)
+from benchmarks.replicate_sparse_rl import (PRESETS, env_module, eval_command, eval_set_name, fmt,  # noqa: E402
+                                            grpo_command, read_metrics, run, run_grpo, sft_command, write_jsonl)
 
 ENV_PATH = "envs/long_chain.py"
 # algo.correction in "measure" mode: the Sparse-RL filters' numbers are logged, the update is untouched.
@@ -187,8 +187,7 @@ def mean_std(values: list[float]) -> tuple[float, float] | None:
 def pm(stat: tuple[float, float] | None, digits: int = 3, sign: bool = False, sci: bool = False) -> str:
     if stat is None:
         return "-"
-    f = (lambda x: f"{x:.2e}") if sci else (lambda x: f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}")
-    return f"{f(stat[0])} ± {f(stat[1]).lstrip('+')}"
+    return f"{fmt(stat[0], digits, sign, sci)} ± {fmt(stat[1], digits, False, sci)}"
 
 
 def values(rows: list[dict], key: str) -> list[float]:
@@ -296,12 +295,6 @@ def tables(args, metrics: dict[tuple[str, int], list[dict]], evals: dict[str, di
                                  for name, e in evals.items()],
                                 title=f"held-out evaluation ({args.eval_prompts} prompts x {args.eval_n}, temperature 1)"))
     return "\n\n".join(text)
-
-
-def fmt(x: float | None, digits: int = 3, sign: bool = False) -> str:
-    if x is None:
-        return "-"
-    return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
 
 
 # ----------------------------------------------------------------------------- main
