@@ -39,9 +39,10 @@ class Sampler:
         temp = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32, device=device)
         top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=device)
         top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long, device=device)
-        logp = processed_logprobs(logits, temp, top_p, top_k)  # (B, V)
+        truncate = any(s.params.top_p < 1.0 or s.params.top_k > 0 for s in seqs)  # known here: no device sync
+        logp = processed_logprobs(logits, temp, top_p, top_k, truncate=truncate)  # (B, V)
         greedy = temp == 0
-        if bool(greedy.all()):
+        if all(s.params.temperature == 0 for s in seqs):
             tokens = logp.argmax(dim=-1)
         else:
             noise = torch.stack([torch.rand(logp.shape[-1], generator=self._generator(s, device), device=device) for s in seqs])

@@ -36,6 +36,8 @@ from sparserl.rollout.sglang import SAMPLER_ENV_FLAG, draw
 
 BACKEND = "pytorch"  # the SGLang sampling backend whose factory this module replaces
 PARAM_KEY = "sparserl"
+LOGICAL_POSITIONS = "sparserl_logical_positions"  # set on SGLang's SamplingBatchInfo by kv_backend.py per forward
+DRAWN_POSITIONS = "sparserl_drawn"  # the positions the last draw was keyed by (read by kv_backend.py's trace)
 
 
 class SamplingTicket(CustomLogitProcessor):
@@ -52,8 +54,9 @@ class SparserlSampler(Sampler):
             return super().forward(logits_output, sampling_info, return_logprob, top_logprobs_nums, token_ids_logprobs,
                                    positions, logprob_logits=logprob_logits)
         logits = self._preprocess_logits(logits_output.next_token_logits, sampling_info)  # (B, V)
-        temperature, top_p, top_k, seeds = _row_settings(sampling_info, logits.shape[0], logits.shape[-1], logits.device)
-        tokens, logp = draw.sample(logits, temperature, top_p, top_k, seeds, positions.reshape(-1))
+        settings = _row_settings(sampling_info, logits.shape[0], logits.shape[-1], logits.device)
+        positions = draw_positions(sampling_info, positions.reshape(-1))
+        tokens, logp = draw.sample(logits, settings, positions)
         tokens = tokens.to(torch.int32)
         if return_logprob:
             result = self.output_logprob_processor.compute_logprobs(logp, top_logprobs_nums, token_ids_logprobs, tokens)
@@ -62,22 +65,33 @@ class SparserlSampler(Sampler):
         return tokens
 
 
-def _row_settings(info, rows: int, vocab: int, device) -> tuple[torch.Tensor, ...]:
+def draw_positions(sampling_info, positions: torch.Tensor) -> torch.Tensor:
+    """The positions that key this step's noise: the logical ones the `sparserl_kv` backend computed for this
+    forward (SGLang hands the sampler the forward batch's own positions, which under KV compaction are the
+    physical lengths), else SGLang's. Kept on `sampling_info` as `sparserl_drawn` for the backend's trace."""
+    logical = getattr(sampling_info, LOGICAL_POSITIONS, None)
+    if logical is not None and logical.shape == positions.shape:
+        positions = logical
+    setattr(sampling_info, DRAWN_POSITIONS, positions)
+    return positions
+
+
+def _row_settings(info, rows: int, vocab: int, device) -> draw.RowSettings:
+    """Settings from the requests' `custom_params` (host lists: no device sync); a foreign request's from
+    SGLang's tensors (one device-to-host copy, only when such a request is in the batch)."""
     params = info.custom_params or [None] * rows
     settings = []
     fallback = None
     for i, p in enumerate(params):
         mine = p.get(PARAM_KEY) if isinstance(p, dict) else None
         if mine is None:
-            if fallback is None:  # one device-to-host copy, only when a foreign request is present
+            if fallback is None:
                 fallback = (info.temperatures.reshape(-1).tolist(), info.top_ps.reshape(-1).tolist(),
                             info.top_ks.reshape(-1).tolist())
             k = int(fallback[2][i])
             mine = [random.getrandbits(62), fallback[0][i], fallback[1][i], k if 0 < k < vocab else 0]
         settings.append(mine)
-    seed, temp, top_p, top_k = zip(*settings)
-    return (torch.tensor(temp, dtype=torch.float32, device=device), torch.tensor(top_p, dtype=torch.float32, device=device),
-            torch.tensor(top_k, dtype=torch.long, device=device), torch.tensor(seed, dtype=torch.int64, device=device))
+    return draw.RowSettings.from_rows(settings, device)
 
 
 def register() -> None:
