@@ -9,6 +9,7 @@ Left out on purpose: building a second model for evaluation (it runs on the roll
 from __future__ import annotations
 
 import dataclasses
+import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from sparserl.trainer.preflight import Inputs, validate_inputs
 from sparserl.utils.errors import UserError, one_line
 from sparserl.utils import precision
 from sparserl.utils.logging import MetricsLogger, log0
+from sparserl.utils.memory import release_free_memory
 
 
 def format_prompts(cfg: Config, rows: list[PromptRow], tokenizer) -> list[str]:
@@ -152,6 +154,19 @@ def pool_slots(cfg: Config, max_prompt_len: int, prompts_per_rank: int) -> int:
 
 
 def build_rollout_engine(cfg: Config, model_path: str, tokenizer, device: torch.device, num_slots: int, seed: int):
+    """The rollout engine, started after the device memory the actor's build left cached is given back (SGLang
+    sizes its KV pool from the free memory it measures once, at start-up); says the pool it got."""
+    gc.collect()
+    release_free_memory()
+    engine = _build_engine(cfg, model_path, tokenizer, device, num_slots, seed)
+    st = engine.stats()
+    log0(f"rollout engine {cfg.rollout.engine}: KV pool {st.pool_slots} tokens x {st.kv_bytes_per_slot} B = "
+         f"{st.pool_slots * st.kv_bytes_per_slot / 2**30:.3f} GiB per engine"
+         + (f" ({torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB of the device free after)" if device.type == "cuda" else ""))
+    return engine
+
+
+def _build_engine(cfg: Config, model_path: str, tokenizer, device: torch.device, num_slots: int, seed: int):
     if cfg.rollout.engine == "native":
         model = load_model(model_path, cfg.rollout.dtype, device)
         return build_engine("native", model=model, tokenizer=tokenizer, num_slots=num_slots,

@@ -103,6 +103,14 @@ class EngineHost:
         """Kept logical positions of every compaction of the last generate (engines started with kv_trace)."""
         return self._call("kv_trace")
 
+    def draw_trace(self):
+        """The position each token's noise was keyed by, per (request id, sample index), for the last generate."""
+        return self._call("draw_trace")
+
+    def kv_counters(self):
+        """The sparserl_kv scheduler's counters since the last read (KV-compressing engines)."""
+        return self._call("kv_counters")
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -135,7 +143,8 @@ def _serve(address: str, authkey_hex: str, model_dir: str, options_json: str, se
     commands = {
         "generate": engine.generate, "update_weights": update, "sleep": engine.sleep, "wake": engine.wake,
         "stats": engine.stats, "reset_stats": engine.reset_stats, "set_seed": lambda s: setattr(engine, "seed", s),
-        "kv_trace": lambda: engine.kv_trace,
+        "kv_trace": lambda: engine.kv_trace, "draw_trace": lambda: engine.draw_trace,
+        "kv_counters": lambda: engine.kv_counters(),
     }
     while True:
         cmd, args = conn.recv()

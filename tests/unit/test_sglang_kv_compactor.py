@@ -56,7 +56,7 @@ def test_compaction_moves_the_selected_entries_and_frees_the_rest(share):
         assert (kept == kept[:, :1]).all()  # one set for the heads of a layer
     if share == "all":
         assert (kept == kept[:1]).all()
-    assert int(comp.offset[row]) == n - keep  # decode positions = physical length - 1 + offset: the logical ones
+    assert comp.offset[row] == n - keep  # decode positions = physical length - 1 + offset: the logical ones
     assert comp.take_events(row) == [(1, pytest.approx(comp.state[row].compress_s), kept.tolist())]
     assert comp.take_events(row) == []
 
@@ -80,7 +80,7 @@ def test_second_compaction_scores_kept_and_appended_entries_at_their_logical_pos
     second = comp.compact(row, row_slots, k, v, outputs=4)
     assert second.kept_positions[1, 1].tolist() == [0, 1, 9, 10, 11, 12, 13, 14, 15, 16]
     assert second.freed.tolist() == [50, 51, 52]
-    assert int(comp.offset[row]) == 17 - 10
+    assert comp.offset[row] == 17 - 10
 
 
 def test_schedule_matches_the_native_one_and_a_new_request_resets_the_row():
@@ -94,7 +94,7 @@ def test_schedule_matches_the_native_one_and_a_new_request_resets_the_row():
         held = 32 if due else held + 1
     comp.offset[0] = 5
     comp.plan_capture([0], [7], [True])
-    assert int(comp.offset[0]) == 0 and comp.state[0].schedule is None and comp.state[0].queries_seen == 7
+    assert comp.offset[0] == 0 and comp.state[0].schedule is None and comp.state[0].queries_seen == 7
 
 
 def test_records_give_the_generation_kv_stats():

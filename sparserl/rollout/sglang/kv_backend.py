@@ -19,7 +19,16 @@ flag; spawned processes inherit it). `register()` then
      compression bound (`CompressionSchedule.max_slots` minus what it holds) instead of its dense length,
      by presenting a smaller `max_new_tokens` to SGLang's `PrefillAdder` for the duration of the call only.
    - `SchedulerInternalStateController.get_internal_state` (after): adds the pool counters (free slots, size,
-     high-water, most requests running, compactions) under "sparserl_kv", read by the engine after a generate.
+     high-water, most requests running, compactions, query-ring bytes) under "sparserl_kv", read by the engine
+     after a generate.
+   - `SchedulerWeightUpdaterManager.release_memory_occupation` (after): when the KV cache is released (the
+     engine sleeps), the compactor's query ring goes with it.
+
+Positions: the backend shifts decode positions to logical ones (RoPE), and puts the same tensor on the batch's
+`sampling_info` for the sampler (sampler.py), whose noise is keyed by the position: SGLang 0.5.23's runner
+gives the backend and the model a copy of the forward batch, and the sampler the original. Host syncs: none
+in the bookkeeping (the batch's rows come from the scheduler's requests, `Scheduler.run_batch` (around),
+and compaction offsets are mirrored on the host); tracing adds the copies of what it reports.
 
 Why these pieces and not the backend alone: a backend sees one forward at a time and no `Req` objects, and
 freeing slots needs the request's KV record and the batch's lengths, which only the scheduler owns; admission
@@ -37,6 +46,7 @@ import json
 import logging
 import os
 import time
+from contextlib import nullcontext
 
 import torch
 from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
@@ -46,6 +56,8 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sparserl.kv import KVPolicyConfig, NewlineTokens
 from sparserl.kv.schedule import CompressionSchedule
 from sparserl.rollout.sglang.kv_compactor import KVCompactor
+from sparserl.rollout.sglang.sampler import DRAWN_POSITIONS, LOGICAL_POSITIONS
+from sparserl.utils.host_syncs import HostSyncs
 
 BACKEND_NAME = "sparserl_kv"
 ENV = "SPARSERL_SGLANG_KV"
@@ -54,14 +66,19 @@ logger = logging.getLogger(__name__)
 
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+_WEIGHT_UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 
 
 class KVRuntime:
     """The one compression runtime of a scheduler process: made by the backend factory, read by the hooks."""
 
-    def __init__(self, cfg: KVPolicyConfig, runner, trace: bool) -> None:
+    def __init__(self, cfg: KVPolicyConfig, runner, trace: bool, count_syncs: bool = False) -> None:
         self.cfg = cfg
         self.trace = trace
+        # Host syncs of the bookkeeping (before_forward, after_step), counted where the engine asks for it.
+        self.syncs = HostSyncs() if count_syncs else None
+        self.decode_forwards = 0
+        self.batch_rows: list[int] | None = None  # the next forward's req_to_token rows, set by _around_run_batch
         self.kv_pool = runner.token_to_kv_pool
         self.req_to_token = runner.req_to_token_pool.req_to_token  # (rows, context) int32
         self.allocator = runner.token_to_kv_pool_allocator
@@ -76,18 +93,30 @@ class KVRuntime:
 
     # ------------------------------------------------------------ forward side (the backend)
     def before_forward(self, fb) -> None:
+        with self.syncs if self.syncs is not None else nullcontext():
+            self._before_forward(fb)
+
+    def _before_forward(self, fb) -> None:
         mode = fb.forward_mode
         if mode.is_idle() or getattr(fb, "_sparserl_kv_planned", False):  # planned once per forward batch
             return
         fb._sparserl_kv_planned = True
-        rows = fb.req_pool_indices.tolist()
+        # The rows on the host, from the scheduler's requests (`_around_run_batch`): no device read.
+        rows, self.batch_rows = self.batch_rows, None
+        if rows is None or len(rows) != fb.batch_size:
+            rows = fb.req_pool_indices.tolist()  # a forward that did not come through Scheduler.run_batch
         if mode.is_decode():
+            self.decode_forwards += 1
             self.compactor.plan_capture(rows, [1] * len(rows), [False] * len(rows))
-            offset = self.compactor.offset[fb.req_pool_indices.long()]
-            fb.positions = fb.positions + offset.to(fb.positions.dtype)  # logical positions (RoPE, seeds)
+            # Logical positions for RoPE here, and for the sampler's noise keys: in 0.5.23 the runner hands the
+            # backend a copy of the batch (`EagerRunner.load_batch` -> `dataclasses.replace`) while the sampler
+            # reads the original's positions, so they travel on the `sampling_info` both share.
+            fb.positions = fb.positions + self.compactor.offsets(rows).to(fb.positions.dtype)
+            setattr(fb.sampling_info, LOGICAL_POSITIONS, fb.positions)
         elif mode.is_extend() and not mode.is_mixed():
             prefix = fb.extend_prefix_lens_cpu
             self.compactor.plan_capture(rows, list(fb.extend_seq_lens_cpu), [p == 0 for p in prefix])
+            setattr(fb.sampling_info, LOGICAL_POSITIONS, None)  # a prefill samples at its own (logical) length
         else:
             raise RuntimeError(f"{BACKEND_NAME}: forward mode {mode} is not supported (mixed chunked prefill and "
                                "speculative decoding must be off)")
@@ -99,17 +128,24 @@ class KVRuntime:
     # ------------------------------------------------------------ scheduler side (the hooks)
     def records(self, batch) -> list:
         """Per row of a batch about to be processed: [entries held in the forward, running requests, compactions
-        since the previous token as (tokens before it, seconds, kept positions or None)]."""
+        since the previous token as (tokens before it, seconds, kept positions or None), the position the token's
+        noise was keyed by (traced engines only, else None)]."""
         held = batch.seq_lens_cpu.tolist()
         running = len(batch.reqs)
         used = self.allocator.size - self.allocator.available_size()
         self.high_water = max(self.high_water, used)
         self.peak_running = max(self.peak_running, running)
-        return [[h, running, self.compactor.take_events(req.kv.req_pool_idx) if req.kv.holds_kv else []]
-                for req, h in zip(batch.reqs, held)]
+        drawn = getattr(batch.sampling_info, DRAWN_POSITIONS, None) if self.trace else None
+        drawn = drawn.tolist() if drawn is not None and len(drawn) == len(batch.reqs) else [None] * len(batch.reqs)
+        return [[h, running, self.compactor.take_events(req.kv.req_pool_idx) if req.kv.holds_kv else [], d]
+                for req, h, d in zip(batch.reqs, held, drawn)]
 
     def after_step(self, scheduler, batch) -> None:
         """Step the schedule of every request that sampled a token; compact the due ones and free their slots."""
+        with self.syncs if self.syncs is not None else nullcontext():
+            self._after_step(scheduler, batch)
+
+    def _after_step(self, scheduler, batch) -> None:
         for i, req in enumerate(batch.reqs):
             if req.finished() or req.is_retracted or not req.kv.holds_kv or not req.output_ids:
                 continue
@@ -159,7 +195,12 @@ class KVRuntime:
     def counters(self) -> dict:
         out = {"pool_size": int(self.allocator.size), "pool_free": int(self.allocator.available_size()),
                "high_water": self.high_water, "peak_running": self.peak_running,
-               "compressions": self.compressions, "compress_s": self.compress_s}
+               "compressions": self.compressions, "compress_s": self.compress_s,
+               "query_buffer_bytes": self.compactor.buffer_bytes()}
+        if self.syncs is not None:
+            out["host_syncs"], out["decode_forwards"] = self.syncs.count, self.decode_forwards
+            self.syncs.events.clear()
+            self.decode_forwards = 0
         self.high_water = self.allocator.size - self.allocator.available_size()
         self.peak_running = 0
         return out
@@ -195,12 +236,12 @@ def create_backend(runner):
     base_name = s["base"]
     if base_name == BACKEND_NAME or base_name not in ATTENTION_BACKENDS:
         raise ValueError(f"{BACKEND_NAME}: base attention backend {base_name!r} is not one of SGLang's")
-    if any(f"{_SCHEDULER}.{m}" not in HookRegistry._patched for m in ("process_batch_result", "get_new_batch_prefill")):
+    if any(f"{_SCHEDULER}.{m}" not in HookRegistry._patched for m in ("process_batch_result", "get_new_batch_prefill", "run_batch")):
         raise RuntimeError(f"{BACKEND_NAME}: the scheduler hooks were not applied in this process; without them "
                            "evicted slots would never be freed")
     backend = ATTENTION_BACKENDS[base_name](runner)
     _wrap(backend)
-    _RUNTIME = KVRuntime(KVPolicyConfig(**s["policy"]), runner, bool(s.get("trace")))
+    _RUNTIME = KVRuntime(KVPolicyConfig(**s["policy"]), runner, bool(s.get("trace")), bool(s.get("count_syncs")))
     return backend
 
 
@@ -218,6 +259,12 @@ def _around_process_batch_result(original, scheduler, batch, result, *args, **kw
     out = original(scheduler, batch, result, *args, **kwargs)
     rt.after_step(scheduler, batch)
     return out
+
+
+def _around_run_batch(original, scheduler, batch, *args, **kwargs):
+    if _RUNTIME is not None and batch is not None and batch.reqs:
+        _RUNTIME.batch_rows = [req.kv.req_pool_idx for req in batch.reqs]  # the order of batch.req_pool_indices
+    return original(scheduler, batch, *args, **kwargs)
 
 
 def _around_get_new_batch_prefill(original, scheduler, running_batch, *args, **kwargs):
@@ -243,6 +290,15 @@ def _after_get_internal_state(result, *args, **kwargs):
     return result
 
 
+def _after_release_memory_occupation(result, manager, recv_req, *args, **kwargs):
+    """The engine sleeps: with the KV cache, drop the compactor's query ring (allocated outside SGLang's memory
+    accounting, (rows, window, H_q, D) per layer); the next forward allocates it again."""
+    tags = getattr(recv_req, "tags", None)
+    if _RUNTIME is not None and (not tags or "kv_cache" in tags):
+        _RUNTIME.compactor.release()
+    return result
+
+
 def register() -> None:
     """The `sglang.srt.plugins` entry point: in engines started with compression, register the backend and the
     scheduler hooks; elsewhere nothing changes."""
@@ -253,4 +309,7 @@ def register() -> None:
     register_attention_backend(BACKEND_NAME)(create_backend)
     HookRegistry.register(f"{_SCHEDULER}.process_batch_result", _around_process_batch_result, HookType.AROUND)
     HookRegistry.register(f"{_SCHEDULER}.get_new_batch_prefill", _around_get_new_batch_prefill, HookType.AROUND)
+    HookRegistry.register(f"{_SCHEDULER}.run_batch", _around_run_batch, HookType.AROUND)
     HookRegistry.register(f"{_INTERNAL_STATE}.get_internal_state", _after_get_internal_state, HookType.AFTER)
+    HookRegistry.register(f"{_WEIGHT_UPDATER}.release_memory_occupation", _after_release_memory_occupation,
+                          HookType.AFTER)

@@ -64,7 +64,7 @@ class KVCompactor:
         self.rows = rows
         self.device = torch.device(device)
         self.window = cfg.window
-        self.offset = torch.zeros(rows, dtype=torch.long, device=self.device)  # logical - physical, per row
+        self.offset = [0] * rows  # logical - physical length, per row; on the host (read without a device sync)
         self.state: dict[int, RequestKV] = {}
         self._qbuf: list[torch.Tensor] | None = None  # per layer (rows, window, H_q, D)
         self._capture_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -88,6 +88,14 @@ class KVCompactor:
             tok += n
         self._capture_index = tuple(torch.tensor(x, dtype=torch.long, device=self.device) for x in (src, dst_row, dst_ring))
 
+    def offsets(self, rows: list[int]) -> torch.Tensor:  # (len(rows),) long on the device
+        """Logical minus physical length of each row, for this forward's positions (a host-to-device copy)."""
+        return torch.tensor([self.offset[r] for r in rows], dtype=torch.long, device=self.device)
+
+    def buffer_bytes(self) -> int:
+        """Bytes held by the query ring (0 after `release`)."""
+        return sum(b.numel() * b.element_size() for b in self._qbuf) if self._qbuf is not None else 0
+
     def capture(self, layer: int, q: torch.Tensor) -> None:
         """Store this forward's window queries of one layer; q: (T, H_q, D) post-RoPE."""
         if self._qbuf is None:
@@ -104,6 +112,7 @@ class KVCompactor:
     def release(self) -> None:
         """Drop the query buffers (the engine sleeps); the next forward allocates them again."""
         self._qbuf = None
+        self._capture_index = None
 
     # ------------------------------------------------------------ after sampling
     def on_token(self, row: int, rid: str, prompt_len: int, outputs: int, held: int, newline: bool) -> bool:
@@ -165,13 +174,13 @@ class KVCompactor:
                 buf[dst] = gathered.transpose(0, 1)
             kept.append(positions[layer].gather(1, idx))
         st.kept_positions = torch.stack(kept)
-        cached = n + int(self.offset[row])  # tokens the request has cached so far (logical length)
+        cached = n + self.offset[row]  # tokens the request has cached so far (logical length)
         st.appended_from = cached
         self.offset[row] = cached - keep
         st.compressions += 1
         seconds = time.perf_counter() - t0
         st.compress_s += seconds
-        st.events.append((outputs, seconds, st.kept_positions.tolist() if trace else None))
+        st.events.append((outputs, seconds, st.kept_positions if trace else None))  # listed when reported
         return Compaction(keep, slots[keep:].clone(), st.kept_positions)
 
     def take_events(self, row: int) -> list:
@@ -180,4 +189,4 @@ class KVCompactor:
         if st is None or not st.events:
             return []
         out, st.events = st.events, []
-        return out
+        return [(n, sec, kept.tolist() if kept is not None else None) for n, sec, kept in out]

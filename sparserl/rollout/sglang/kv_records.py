@@ -3,7 +3,8 @@
 The `sparserl_kv` backend (kv_backend.py) attaches one record to every sampled token through SGLang's
 `customized_info`, which SGLang accumulates in `meta_info["sparserl_kv"]`:
 `[entries held in the forward that sampled it, requests running in that forward, compactions since the
-previous token]`, each compaction as `[tokens generated before it, seconds, kept positions or None]`.
+previous token, the position its noise was keyed by (traced engines) or None]`, each compaction as
+`[tokens generated before it, seconds, kept positions or None]`.
 The scheduler's pool counters come from `get_server_info()["internal_states"][i]["sparserl_kv"]`.
 No sglang import: tested in the main environment.
 """
@@ -24,6 +25,9 @@ class PoolCounters:
     peak_running: int
     compressions: int
     compress_s: float
+    query_buffer_bytes: int = 0  # the compactor's query ring (0 once the engine slept)
+    host_syncs: int = -1  # device-to-host syncs of the bookkeeping (engines started with kv_count_syncs; else -1)
+    decode_forwards: int = 0  # decode forwards over which host_syncs were counted
 
 
 def kv_stats(records: list, prompt_len: int, n_tokens: int) -> tuple[KVStats, list]:
@@ -48,4 +52,10 @@ def pool_counters(server_info: dict) -> PoolCounters:
                            "in its scheduler (is sparserl installed with pip install -e . ?)")
     s = states[0]
     return PoolCounters(s["pool_size"], s["pool_free"], s["high_water"], s["peak_running"], s["compressions"],
-                        s["compress_s"])
+                        s["compress_s"], s.get("query_buffer_bytes", 0), s.get("host_syncs", -1),
+                        s.get("decode_forwards", 0))
+
+
+def drawn_positions(records: list, n_tokens: int) -> list:
+    """The position each of a sequence's first `n_tokens` tokens had its noise keyed by (None where untraced)."""
+    return [r[3] if len(r) > 3 else None for r in records[:n_tokens]]

@@ -29,7 +29,8 @@ class SGLangOptions:
     # KV compression (`rollout.kv.*` as a dict of `KVPolicyConfig` fields); None: dense. With a policy the engine
     # runs the `sparserl_kv` attention backend over `attention_backend` (see kv_backend.py).
     kv: dict | None = None
-    kv_trace: bool = False  # report the kept logical positions of every compaction (tests; costs a copy per trigger)
+    kv_trace: bool = False  # report kept logical positions per compaction and each token's noise position (tests)
+    kv_count_syncs: bool = False  # count host syncs of the compression bookkeeping (tests; slows every step)
 
     @property
     def base_attention_backend(self) -> str:
