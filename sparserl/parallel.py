@@ -1,8 +1,9 @@
 """Process groups, devices and the device mesh. Nothing else in sparserl builds process groups.
 
-`ParallelDims(dp, tp)` validates the layout and owns the `("dp", "tp")` DeviceMesh. `init_distributed` works
-under torchrun (any number of nodes) and as a plain `python` process (a world of one), picking gloo on CPU
-and nccl on CUDA. Left out on purpose: pipeline and context parallelism, expert parallelism.
+`ParallelDims(dp, tp)` validates the layout and owns the `("dp", "tp")` DeviceMesh and the gloo side groups
+over which each tensor-parallel group's owner hands its rollouts to its peers (`TPShare`). `init_distributed`
+works under torchrun (any number of nodes) and as a plain `python` process (a world of one), picking gloo on
+CPU and nccl on CUDA. Left out on purpose: pipeline and context parallelism, expert parallelism.
 """
 from __future__ import annotations
 
@@ -37,6 +38,48 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+
+    def tp_share(self, rank: int) -> "TPShare":
+        """This rank's `TPShare`. Builds a gloo side group per TP group: every rank must call it, once, at the
+        same point (each `new_group` is a collective over the world, called for all groups in one order)."""
+        owner = rank - rank % self.tp  # the mesh is (dp, tp), row-major: a TP group is `tp` consecutive ranks
+        if self.tp == 1:
+            return TPShare(rank, owner, None)
+        mine = None
+        for first in range(0, self.dp * self.tp, self.tp):
+            group = dist.new_group(list(range(first, first + self.tp)), backend="gloo", timeout=SHARE_TIMEOUT)
+            if first == owner:
+                mine = group
+        return TPShare(rank, owner, mine)
+
+
+# A peer waits in `TPShare.from_owner` for as long as the owner's rollout takes, which can be hours; a crashed
+# owner still ends the job, through torchrun.
+SHARE_TIMEOUT = datetime.timedelta(hours=24)
+
+
+@dataclass
+class TPShare:
+    """A tensor-parallel group's one source of rollouts: its owner (first rank) runs the engine and the env loop,
+    its peers receive the owner's results, so every rank of the group trains on the same samples even where
+    an env's results depend on the process (its rank, a clock, a remote service). The objects go over a gloo
+    side group, pickled, on the CPU: a waiting peer does not spin on a device that the owner's engine uses."""
+
+    rank: int
+    owner: int
+    group: object | None  # gloo ProcessGroup over the TP group; None when tp == 1
+
+    @property
+    def is_owner(self) -> bool:
+        return self.rank == self.owner
+
+    def from_owner(self, obj=None):
+        """The owner's `obj` on every rank of the group: the owner passes it, the peers pass nothing and get it."""
+        if self.group is None:
+            return obj
+        box = [obj if self.is_owner else None]
+        dist.broadcast_object_list(box, src=self.owner, group=self.group, device=torch.device("cpu"))
+        return box[0]
 
 
 @dataclass

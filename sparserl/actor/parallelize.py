@@ -5,6 +5,8 @@ a DTensor on the tp mesh, and FSDP2 `fully_shard` (per decoder layer, then the r
 giving 2-D (dp, tp) parameters. With the LM head split by vocabulary, the model's logits are each rank's
 (N, V/tp) slice; the vocabulary range is recorded on the model (`vocab_parallel.vocab_shard`) so the
 log-prob code knows to combine slices instead of calling a dense log-softmax.
+Both work on a model built on the meta device (hf.py `load_model_rank0`); `materialize` then gives it storage
+and rank 0's checkpoint values, so only rank 0 ever holds the full model.
 Model code never imports this. Left out on purpose: sequence parallelism, pipeline parallelism, and
 tp-aware rollout engines (the native engine holds a full copy of the weights).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 from fnmatch import fnmatch
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
@@ -42,6 +45,23 @@ def parallelize(model: torch.nn.Module, mesh, param_dtype: torch.dtype, reduce_d
         fully_shard(layer, mesh=dp, mp_policy=mp)
     fully_shard(model, mesh=dp, mp_policy=mp)
     return model
+
+
+@torch.no_grad()
+def materialize(model: torch.nn.Module, device: torch.device, full_state: dict[str, torch.Tensor],
+                buffers: dict[str, torch.Tensor]) -> None:
+    """Give a model parallelized on the meta device storage on `device` and the checkpoint's values.
+
+    `full_state` is the full state dict on global rank 0 and empty elsewhere: rank 0 broadcasts it one tensor at
+    a time and every rank copies out its own (dp, tp) shard (`set_model_state_dict`), so no other rank ever
+    holds more than one full tensor. `buffers` (non-persistent, so in no state dict) are copied on every rank.
+    A collective over the default process group.
+    """
+    model.to_empty(device=device)
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, value in buffers.items():
+        buf = model.get_buffer(name)
+        (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(value)
 
 
 # ---------------------------------------------------------------------------------------------- tensor parallel
@@ -103,7 +123,8 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
     for name, module in list(model.named_modules()):
         key = next((k for k in plan if fnmatch(name, k)), None)
         if key is not None:
-            # src_data_rank=None: every rank loaded the same checkpoint, so each keeps its own slice (no scatter).
+            # src_data_rank=None: no scatter. Either every rank loaded the same checkpoint and keeps its own slice,
+            # or the model is on the meta device and its values arrive later from rank 0 (`materialize`).
             parallelize_module(module, tp_mesh, styles[plan[key]], src_data_rank=None)
             matched[key] += 1
     missing = [k for k, n in matched.items() if n == 0]

@@ -41,6 +41,7 @@ def run(cfg: Config) -> None:
     dims = ParallelDims.from_world(info.world_size, cfg.parallel.tp)
     S.resolve_precision(cfg, info.device)
     dp = dims.build_mesh(info.device.type)["dp"]
+    tp_share = dims.tp_share(info.rank)  # with tp > 1 each TP group's owner evaluates, its peers receive the result
     tokenizer = S.load_tokenizer(model.path)
     texts = format_prompts(cfg, sets, tokenizer)
     lengths = [len(ids) for t in texts for ids in tokenizer(t, add_special_tokens=False)["input_ids"]]
@@ -50,7 +51,8 @@ def run(cfg: Config) -> None:
         engine.update_weights(load_dcp_weights(model.dcp))
     log0(f"evaluating {model.describe()} on {', '.join(f'{s.name} ({len(s.rows)})' for s in sets)}: "
          f"n={cfg.eval.n}, temperature {cfg.eval.temperature}, kv {cfg.rollout.kv.algorithm}, {info.world_size} process(es)")
-    result = evaluate(engine, tokenizer, cfg, sets, texts, dp.get_local_rank(), dp.size(), dp.get_group(), info.rank)
+    result = evaluate(engine, tokenizer, cfg, sets, texts, dp.get_local_rank(), dp.size(), dp.get_group(), info.rank,
+                      tp_share)
     if info.rank == 0:
         out = write_outputs(cfg.eval.output_dir, result, settings(cfg, model.describe(), info.world_size))
         print(format_table(result), flush=True)

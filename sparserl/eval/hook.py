@@ -21,8 +21,9 @@ from sparserl.utils.logging import log0
 
 
 class TrainEval:
-    def __init__(self, cfg: Config, sets: list[EvalSet], engine, tokenizer, mesh, rank: int) -> None:
+    def __init__(self, cfg: Config, sets: list[EvalSet], engine, tokenizer, mesh, rank: int, tp_share=None) -> None:
         self.cfg, self.sets, self.engine, self.tokenizer, self.rank = cfg, sets, engine, tokenizer, rank
+        self.tp_share = tp_share  # parallel.TPShare: with tp > 1 the TP group's owner evaluates, its peers receive
         self.every = cfg.trainer.eval_every
         self.enabled = self.every > 0 and bool(sets)
         self.dp = mesh["dp"]
@@ -37,7 +38,7 @@ class TrainEval:
 
     def run(self, step: int) -> dict[str, float]:
         result = evaluate(self.engine, self.tokenizer, self.cfg, self.sets, self.texts, self.dp.get_local_rank(),
-                          self.dp.size(), self.dp.get_group(), self.rank)
+                          self.dp.size(), self.dp.get_group(), self.rank, self.tp_share)
         if self.rank == 0:
             out = write_outputs(Path(self.cfg.trainer.output_dir) / "eval" / f"step_{step:06d}", result,
                                 {"step": step, **settings(self.cfg, self.cfg.model.path, self.dp.size())})

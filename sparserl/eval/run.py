@@ -4,8 +4,9 @@ through each set's env, gather every sample on every rank, compute the metrics.
 A sample's draws depend only on (eval.seed, the set's name, the prompt's row in its file, the sample index):
 the set name and eval.seed make `SamplingParams.seed`, the row index is the request's `seed_index`. Prompt i
 goes to data-parallel rank i % dp, and results are ordered by (row, sample) after the gather, so 1 or N
-processes give the same samples and the same numbers. The engine is woken and left awake (a `sleep()` may
-drop weights that the next training rollout needs; its `wake()` is a no-op then).
+processes give the same samples and the same numbers. With tp > 1 the owner of each tensor-parallel group
+evaluates and hands the result to its peers, which neither generate nor run an env. The engine is woken and
+left awake (a `sleep()` may drop weights that the next training rollout needs; its `wake()` is a no-op then).
 Left out on purpose: caching generations across calls, early stopping on a confidence bound.
 """
 from __future__ import annotations
@@ -82,8 +83,11 @@ def _gather(records: list[SampleRecord], group) -> list[SampleRecord]:
 
 
 def evaluate(engine, tokenizer, cfg: Config, sets: list[EvalSet], texts: list[list[str]], dp_rank: int = 0,
-             dp_size: int = 1, group=None, rank: int = 0) -> EvalResult:
-    """Every set once; returns the same result on every rank. `texts` come from `format_prompts`."""
+             dp_size: int = 1, group=None, rank: int = 0, tp_share=None) -> EvalResult:
+    """Every set once; returns the same result on every rank. `texts` come from `format_prompts`. With a
+    `tp_share` (parallel.TPShare, tp > 1) only the TP group's owner evaluates; its peers receive its result."""
+    if tp_share is not None and not tp_share.is_owner:
+        return tp_share.from_owner()
     engine.wake()
     result = EvalResult()
     kv_bytes = getattr(engine.stats(), "kv_bytes_per_slot", 0)
@@ -106,7 +110,7 @@ def evaluate(engine, tokenizer, cfg: Config, sets: list[EvalSet], texts: list[li
         result.records[s.name] = records
         result.metrics[s.name] = dataset_metrics(records, params.n, list(cfg.eval.k), s.env.extract_answer is not None, kv_bytes)
         result.seconds[s.name] = time.perf_counter() - t0
-    return result
+    return result if tp_share is None else tp_share.from_owner(result)
 
 
 def flat_metrics(result: EvalResult) -> dict[str, float]:

@@ -56,6 +56,7 @@ def train(cfg: Config) -> None:
     from sparserl.utils.timers import Timers
 
     info, dims, mesh = S.start_processes(cfg)
+    tp_share = dims.tp_share(info.rank)  # with tp > 1 the TP group's owner rolls out, its peers receive the samples
     preemption = Preemption(cfg.trainer.preempt_signals, info.device)  # from here on a signal ends the run after a step
     set_seed(cfg.trainer.seed, info.rank)
     tokenizer = S.load_tokenizer(inputs.model_path)
@@ -84,7 +85,7 @@ def train(cfg: Config) -> None:
                            tokenizer, logger.wandb_run)
     sample_log.truncate_after(start if start else -1)
     sync_weights(actor.full_state(), engine)
-    evals = TrainEval(cfg, inputs.eval_sets, engine, tokenizer, mesh, info.rank)  # trainer.eval_every; off when 0
+    evals = TrainEval(cfg, inputs.eval_sets, engine, tokenizer, mesh, info.rank, tp_share)  # trainer.eval_every
     if evals.enabled and start == 0:
         logger.log(0, evals.run(0))
     loss_cfg = loss_config(cfg.algo)
@@ -106,18 +107,26 @@ def train(cfg: Config) -> None:
         step_rows = [rows[i] for i in batch_idx.local_indices]
         texts = [prompts[i] for i in batch_idx.local_indices]
 
-        # 1-3: rollout with fresh weights, then give the KV memory back for training.
-        engine.wake()
-        engine.reset_stats()
-        # Each prompt's samples are keyed by (seed, step, its place in the global batch): the same whatever the
-        # number of processes (elastic resume) and on the TP ranks of one group.
-        engine.seed = cfg.trainer.seed * 1_000_003 + step * 7_919
-        with timers("rollout"), progress(len(step_rows) * params.n, f"rollout {step}", info.rank, cfg.logger.progress) as bar:
-            samples, rollout_metrics = rollout(_Progress(engine, bar), tokenizer, task.env, step_rows, texts, params,
-                                               max_turns=cfg.env.max_turns, max_total_tokens=task.max_total_tokens(num_slots),
-                                               seed_indices=[dp_rank * share + j for j in range(len(step_rows))],
-                                               step_timeout_s=cfg.env.step_timeout_s, max_concurrency=cfg.env.max_concurrency)
-        engine.sleep()
+        # 1-3: rollout with fresh weights, then give the KV memory back for training. With tp > 1 only the TP
+        # group's owner runs the engine and the env loop; its peers receive its samples, rollout metrics and
+        # engine stats (parallel.TPShare), so the group trains on one batch whatever the env does per process.
+        rolled = None
+        if tp_share.is_owner:
+            engine.wake()
+            engine.reset_stats()
+            # Each prompt's samples are keyed by (seed, step, its place in the global batch): the same whatever the
+            # number of processes (elastic resume).
+            engine.seed = cfg.trainer.seed * 1_000_003 + step * 7_919
+        with timers("rollout"):
+            if tp_share.is_owner:
+                with progress(len(step_rows) * params.n, f"rollout {step}", info.rank, cfg.logger.progress) as bar:
+                    rolled = rollout(_Progress(engine, bar), tokenizer, task.env, step_rows, texts, params,
+                                     max_turns=cfg.env.max_turns, max_total_tokens=task.max_total_tokens(num_slots),
+                                     seed_indices=[dp_rank * share + j for j in range(len(step_rows))],
+                                     step_timeout_s=cfg.env.step_timeout_s, max_concurrency=cfg.env.max_concurrency)
+                rolled += (engine.stats(),)
+            samples, rollout_metrics, engine_stats = tp_share.from_owner(rolled)
+        engine.sleep()  # a peer's engine never woke; this still drops its weights under rollout.release_weights
         release_free_memory()
 
         # 4: dense log-probs of the sampled tokens under the same weights (and the reference). On the
@@ -156,7 +165,7 @@ def train(cfg: Config) -> None:
         if sample_log.enabled:
             with timers("log_samples"):
                 sample_log.log(step, samples, batch, correction_metrics.get("correction/norm_factor", 1.0), actor.dp_group)
-        metrics = gather_step_metrics(step, samples, rollout_metrics, engine.stats(), batch, timers.pop(),
+        metrics = gather_step_metrics(step, samples, rollout_metrics, engine_stats, batch, timers.pop(),
                                       time.perf_counter() - t_step, actor.dp_group, info.device)
         metrics.update(correction_metrics | adv_metrics | balance_metrics | actor_metrics)
         metrics.update(memory_metrics(info.device, actor.dp_group))
@@ -183,12 +192,16 @@ def train(cfg: Config) -> None:
 
 
 def export_final(cfg: Config, actor, tokenizer, rank: int) -> None:
+    """Write the actor's weights as a Hugging Face checkpoint under output_dir/hf. Every rank joins the gathers,
+    one tensor at a time; only global rank 0 keeps the full tensors (in host memory) and writes them."""
     import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from sparserl.actor.hf import export_hf
     from sparserl.utils.logging import log0
 
-    state = {k: v.detach().cpu() for k, v in actor.full_state()}  # every rank joins the gathers
+    # cpu_offload=True: rank 0 moves each gathered tensor to host memory, the other ranks drop theirs at once.
+    state = get_model_state_dict(actor.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         from transformers import AutoModelForCausalLM
 

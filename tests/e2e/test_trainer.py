@@ -1,6 +1,7 @@
 """Tiny full runs of `sparserl.trainer.grpo`: dense parity, env errors, export, resume, bad input."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +84,8 @@ def test_dense_run_parity_env_errors_and_export(tiny_checkpoint, task, tmp_path)
     diffs = [(a - b).abs().max().item() for a, b in zip(trained.state_dict().values(), initial.state_dict().values())]
     assert max(diffs) > 0, "the exported policy is the initial one"
     assert "step 2/2" in res.stdout
+    pool = re.search(r"rollout engine native: KV pool (\d+) tokens x (\d+) B = ([\d.]+) GiB", res.stdout + res.stderr)
+    assert pool and int(pool[1]) > 0 and int(pool[2]) > 0, "the run's log must say the KV pool the engine got"
 
 
 def test_resume_matches_uninterrupted_run(tiny_checkpoint, task, tmp_path):

@@ -3,6 +3,7 @@ steps of the default task (SmolLM2-135M-Instruct, arithmetic, `auto` precision: 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,7 @@ def test_fp32_rollouts_match_the_actor_before_and_after_a_weight_sync(tiny_check
     # fp32 engine and actor: the sampler's log-probs equal the actor's recompute up to float noise, also at
     # step 2, whose rollout runs on weights the update changed (lr 1e-3) and weight sync pushed into SGLang.
     out = tmp_path / "tiny"
-    torchrun([f"model.path={tiny_checkpoint}", "model.compute_dtype=float32", "rollout.dtype=float32",
+    proc = torchrun([f"model.path={tiny_checkpoint}", "model.compute_dtype=float32", "rollout.dtype=float32",
               f"trainer.output_dir={out}", "trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.n=4",
               "rollout.max_new_tokens=16", "actor.lr=1e-3", "algo.entropy_coef=0.01", "trainer.export_hf=false"])
     rows = read_metrics(out)
@@ -46,6 +47,10 @@ def test_fp32_rollouts_match_the_actor_before_and_after_a_weight_sync(tiny_check
         assert r["mismatch/abs_max"] < 1e-4, r
         assert r["response/len_mean"] > 0 and r["perf/rollout_tok_s"] > 0
     assert rows[0]["actor/grad_norm"] > 0
+    # The pool SGLang allocated, read back from the started engine: the run's pool (rollout.kv_pool_tokens or
+    # every sequence of a step at its dense length), here 2 prompts x 4 samples per rank.
+    pool = re.search(r"rollout engine sglang: KV pool (\d+) tokens x (\d+) B = ([\d.]+) GiB", proc.stdout + proc.stderr)
+    assert pool and int(pool[1]) > 0 and int(pool[2]) > 0, proc.stdout[-2000:]
 
 
 def test_two_steps_of_the_default_task(tmp_path):

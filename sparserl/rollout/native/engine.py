@@ -55,6 +55,7 @@ class StepTrace:
 
 class NativeEngine:
     supports_sessions = True
+    receives_weights = True  # the engine lives in this process (rollout/weight_sync.py)
 
     def __init__(
         self,
@@ -113,6 +114,16 @@ class NativeEngine:
         if self.release_weights:
             self.runner.release_weights()
         self._awake = False
+
+    @property
+    def weight_dtype(self) -> torch.dtype | None:
+        """The dtype update_weights casts every tensor to, so sync_weights gathers in it. None (as the actor holds
+        them) with quantization, whose layers are quantized from the tensor as it arrives, or when the model's
+        floating tensors do not share one dtype."""
+        if self.quantization != "none":
+            return None
+        dtypes = {t.dtype for t in self.runner.model.state_dict().values() if t.is_floating_point()}
+        return dtypes.pop() if len(dtypes) == 1 else None
 
     def update_weights(self, named_tensors) -> None:
         self.end_sessions()  # held KV was computed with the old weights

@@ -1,8 +1,9 @@
 """The SGLang rollout engine: an in-process `sglang.Engine` behind the contract of `rollout/engine.py`.
 
 One `sglang.Engine` per tensor-parallel group, started by the group's first rank with `tp_size=parallel.tp`;
-the group's other ranks take part in weight sync (they gather like everyone, then drop the tensors) and
-receive the generations from the owner point-to-point. Data-parallel groups each own an engine.
+the group's other ranks take part in weight sync (they gather like everyone, then drop the tensors) and do not
+generate: the trainer hands them the owner's finished samples over a gloo side group (parallel.TPShare).
+Data-parallel groups each own an engine.
 
 - `generate` expands each request into its `n` samples, each with its own seed (engine seed, request index,
   sample index, as the native engine), and sends them as separate SGLang requests: SGLang's radix cache
@@ -44,7 +45,7 @@ import torch
 
 from sparserl.rollout.engine import EngineStats, register_engine
 from sparserl.rollout.sglang import KV_ENV, SAMPLER_ENV_FLAG
-from sparserl.rollout.sglang.kv_records import RECORD_KEY, kv_stats, pool_counters
+from sparserl.rollout.sglang.kv_records import RECORD_KEY, PoolCounters, drawn_positions, kv_stats, pool_counters
 from sparserl.rollout.sglang.options import SGLangOptions, options_from_config  # noqa: F401 (re-exported)
 from sparserl.rollout.types import Generation, GenerationRequest, KVStats, SamplingParams
 from sparserl.rollout.weight_sync import buckets
@@ -95,8 +96,10 @@ class SGLangEngine:
         self.group = group or TPGroup(0, 0, ())
         self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else _default_eos(model_path, tokenizer)
         self._kv_bytes = _kv_bytes_per_token(model_path, self.options.dtype)
+        self._pool_tokens = self.options.max_total_tokens
         self._stats = self._fresh_stats()
         self.kv_trace: dict = {}  # (request id, sample index) -> kept positions per compaction (options.kv_trace)
+        self.draw_trace: dict = {}  # (request id, sample index) -> the position each token's noise was keyed by
         self._awake = True
         self._released: set[str] = set()
         self._updating = False
@@ -105,6 +108,9 @@ class SGLangEngine:
         if self.group.is_owner:
             self._engine = _start_engine(model_path, self.options, seed)
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-engine")
+            # The pool SGLang actually allocated (it may size it from free memory, or cap a requested size).
+            self._pool_tokens = int(self._call(self._engine.get_server_info).get("max_total_num_tokens") or self._pool_tokens)
+            self._stats = self._fresh_stats()
 
     # ----------------------------------------------------------------- lifecycle
     def sleep(self) -> None:
@@ -124,6 +130,16 @@ class SGLangEngine:
             self._call(self._engine.resume_memory_occupation, sorted(self._released))
             self._released.clear()
         self._awake = True
+
+    @property
+    def receives_weights(self) -> bool:
+        """False on a TP peer: sync_weights has it join the gathers but hand nothing over (the owner's engine loads)."""
+        return self._engine is not None
+
+    @property
+    def weight_dtype(self) -> torch.dtype | None:
+        """The dtype update_weights casts to, so sync_weights gathers in it; None: as the actor holds them."""
+        return _DTYPES.get(self.options.dtype)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self._engine is None:  # a TP peer: the tensors were gathered for the owner's engine
@@ -169,17 +185,18 @@ class SGLangEngine:
         if not self._awake:
             raise RuntimeError("the SGLang engine is asleep; call wake() before generate()")
         self._finish_weight_update()
-        samples = self._expand(requests)
         if self._engine is None:
-            return self._receive_from_owner(progress)
+            raise RuntimeError(f"rank {self.group.rank} is a tensor-parallel peer of rank {self.group.owner}, whose "
+                               "SGLang engine serves the group: the owner runs the rollout and hands its samples to "
+                               "the peers (sparserl.parallel.TPShare); a peer does not generate")
+        samples = self._expand(requests)
         t0 = time.perf_counter()
         outputs = self._thread.submit(self._engine.loop.run_until_complete, self._generate_all(samples, progress)).result()
-        self.kv_trace = {}
+        self.kv_trace, self.draw_trace = {}, {}
         gens = [self._to_generation(s, requests[s.request], out) for s, out in zip(samples, outputs)]
         self._account(gens, time.perf_counter() - t0, len(samples))
         if self.options.kv is not None:
             self._account_pool(gens)
-        self._send_to_peers(gens)
         return gens
 
     def _expand(self, requests: list[GenerationRequest]) -> list[_Sample]:
@@ -248,27 +265,10 @@ class SGLangEngine:
             kv, kept = kv_stats(meta.get(RECORD_KEY) or [], len(s.prompt), len(ids))
             if self.options.kv_trace:
                 self.kv_trace[(req.request_id, s.index)] = kept
+                self.draw_trace[(req.request_id, s.index)] = drawn_positions(meta.get(RECORD_KEY) or [], len(ids))
         else:
             kv = KVStats(peak_slots=total, retained_tokens=total, total_tokens=total)
         return Generation(req.request_id, s.index, s.prompt, ids, logps, reason, text, kv)
-
-    # ----------------------------------------------------------------- tensor-parallel peers
-    def _send_to_peers(self, gens: list[Generation]) -> None:
-        if self.group.peers:
-            import torch.distributed as dist
-
-            for peer in self.group.peers:
-                dist.send_object_list([gens, self._stats], dst=peer)
-
-    def _receive_from_owner(self, progress) -> list[Generation]:
-        import torch.distributed as dist
-
-        box: list[Any] = [None, None]
-        dist.recv_object_list(box, src=self.group.owner)
-        gens, self._stats = box
-        if progress is not None:
-            progress(len(gens))
-        return gens
 
     # ----------------------------------------------------------------- helpers
     def _call(self, fn, *args):
@@ -289,9 +289,13 @@ class SGLangEngine:
         if self.options.kv is None:  # with compression the scheduler's own count comes in `_account_pool`
             st.peak_running = max(st.peak_running, min(num_samples, self.options.max_running_requests))
 
+    def kv_counters(self) -> PoolCounters:
+        """The `sparserl_kv` scheduler's counters since the last read (engines with KV compression, owner rank)."""
+        return pool_counters(self._call(self._engine.get_server_info))
+
     def _account_pool(self, gens: list[Generation]) -> None:
         """The scheduler's pool counters since the last call; every slot must be free again (no radix cache)."""
-        pool = pool_counters(self._call(self._engine.get_server_info))
+        pool = self.kv_counters()
         if pool.pool_free != pool.pool_size:
             raise RuntimeError(f"sparserl_kv: {pool.pool_size - pool.pool_free} of {pool.pool_size} KV slots are still "
                                "allocated after every request finished (a leak), or were freed twice (negative)")
@@ -302,9 +306,13 @@ class SGLangEngine:
         st.compress_s += sum(g.kv.compress_s for g in gens)
         st.extra["kv/pool_free_after"] = float(pool.pool_free)
         st.extra["kv/pool_size"] = float(pool.pool_size)
+        st.extra["kv/query_buffer_mb"] = pool.query_buffer_bytes / 2**20
+        if pool.host_syncs >= 0:  # options.kv_count_syncs
+            st.extra["kv/host_syncs"] = st.extra.get("kv/host_syncs", 0.0) + pool.host_syncs
+            st.extra["kv/decode_forwards"] = st.extra.get("kv/decode_forwards", 0.0) + pool.decode_forwards
 
     def _fresh_stats(self) -> EngineStats:
-        return EngineStats(pool_slots=self.options.max_total_tokens, kv_bytes_per_slot=self._kv_bytes)
+        return EngineStats(pool_slots=self._pool_tokens, kv_bytes_per_slot=self._kv_bytes)
 
 
 def _start_engine(model_path: str, options: SGLangOptions, seed: int):
@@ -320,7 +328,7 @@ def _start_engine(model_path: str, options: SGLangOptions, seed: int):
     if options.kv is not None:
         # SGLang's processes load the sparserl_kv backend and its scheduler hooks only under this variable.
         os.environ[KV_ENV] = json.dumps({"policy": options.kv, "base": options.base_attention_backend,
-                                         "trace": options.kv_trace})
+                                         "trace": options.kv_trace, "count_syncs": options.kv_count_syncs})
         if allowed and "sparserl_kv" not in {x.strip() for x in allowed.split(",")}:
             raise RuntimeError(f"SGLANG_PLUGINS={allowed} leaves out sparserl_kv, which KV compression needs; add it")
     else:

@@ -1,0 +1,54 @@
+"""`ParallelDims.tp_share`: each tensor-parallel group's owner hands objects to its own peers, over gloo.
+
+Four real processes (gloo) in the (dp, tp) = (2, 2) layout and in (4, 1): the side groups are the TP groups
+of the mesh (consecutive ranks), each peer receives its own owner's object and no other, a group's objects
+do not leak into the next call, and with tp = 1 there is no side group and the object comes back as is.
+"""
+import pickle
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world: int, tp: int, init: str, out: str) -> None:
+    from sparserl.parallel import ParallelDims
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        dims = ParallelDims.from_world(world, tp)
+        mesh = dims.build_mesh("cpu")
+        share = dims.tp_share(rank)
+        seen = []
+        for call in range(3):
+            # Only the owner's object is real; a peer passes its own, which must be ignored.
+            mine = {"from": rank, "call": call, "payload": list(range(rank * 10 + call))}
+            seen.append(share.from_owner(mine if share.is_owner else {"from": rank, "peer": True}))
+        result = {"owner": share.owner, "is_owner": share.is_owner, "seen": seen,
+                  "group": None if share.group is None else (dist.get_backend(share.group),
+                                                             dist.get_process_group_ranks(share.group)),
+                  "mesh_tp": dist.get_process_group_ranks(mesh["tp"].get_group()) if tp > 1 else None,
+                  "passthrough": share.from_owner(mine) is mine}
+        with open(f"{out}.{rank}", "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tp", [2, 1])
+def test_each_peer_gets_its_owners_objects(tmp_path, tp):
+    world = 4
+    init, out = f"file://{tmp_path / 'store'}", str(tmp_path / "result")
+    mp.spawn(_worker, args=(world, tp, init, out), nprocs=world, join=True)
+    results = [pickle.loads(open(f"{out}.{r}", "rb").read()) for r in range(world)]
+    for rank, r in enumerate(results):
+        owner = rank - rank % tp
+        assert r["owner"] == owner and r["is_owner"] == (rank == owner)
+        assert [s["from"] for s in r["seen"]] == [owner] * 3, r["seen"]
+        assert [s["call"] for s in r["seen"]] == [0, 1, 2]
+        assert r["seen"][2]["payload"] == list(range(owner * 10 + 2))
+        if tp == 1:
+            assert r["group"] is None and r["passthrough"]
+        else:
+            backend, ranks = r["group"]
+            assert backend == "gloo" and ranks == list(range(owner, owner + tp)) == r["mesh_tp"]
