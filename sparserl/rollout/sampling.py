@@ -42,7 +42,9 @@ def processed_logprobs(
         t = temperature.to(device=logits.device, dtype=logits.dtype).expand(B)
         logits = logits / torch.where(t > 0, t, torch.ones_like(t))[:, None]
     elif float(temperature) > 0 and float(temperature) != 1.0:
-        logits = logits / float(temperature)
+        # An elementwise division by a (B, 1) tensor, as for per-row settings: a Python-scalar divisor would be
+        # a multiply by its reciprocal, one ulp away from what the samplers compute.
+        logits = logits / torch.full((B, 1), float(temperature), dtype=logits.dtype, device=logits.device)
     if truncate is None:
         truncate = truncates(top_p, top_k)
     if truncate is None or truncate:

