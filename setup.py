@@ -32,7 +32,9 @@ setup(
         # python -m sparserl.report (curves drawn by matplotlib).
         "report": ["matplotlib"],
     },
-    package_data={"sparserl.report": ["viewer.js", "report.css"]},
+    # The named eval sets (eval.datasets=[gsm8k,...]) and their provenance ship with the package; the training
+    # sets (data/train/, 7 MB) stay in the repository.
+    package_data={"sparserl.report": ["viewer.js", "report.css"], "sparserl.data": ["eval/*.jsonl", "eval/README.md"]},
     # Loaded by SGLang in each of its processes: sparserl's sampler (sparserl/rollout/sglang/sampler.py) and the
     # sparserl_kv attention backend (kv_backend.py). Nothing is imported unless SGLang loads its plugins, and
     # each acts only in engines sparserl starts with its environment flag.

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# The eval sets ship with the package (sparserl/data/eval/README.md).
+EVAL_DATA = Path(__file__).resolve().parents[1] / "sparserl" / "data" / "eval"
 
 
 def machine() -> str:
@@ -26,7 +27,7 @@ def machine() -> str:
 
 def gsm8k_prompts(tokenizer, n: int, path: Path | None = None) -> list[list[int]]:
     """The first `n` GSM8K questions in the model's chat template, as token ids."""
-    path = path or SHARED_DATA / "eval" / "gsm8k.jsonl"
+    path = path or EVAL_DATA / "gsm8k.jsonl"
     rows = [json.loads(line) for line in open(path)][:n]
     out = []
     for r in rows:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import SHARED_DATA, gsm8k_prompts, machine, print_table  # noqa: E402
+from benchmarks.common import EVAL_DATA, gsm8k_prompts, machine, print_table  # noqa: E402
 from sparserl.utils import precision  # noqa: E402
 
 KEYS = ["perf/step_s", "perf/rollout_s", "perf/old_logprobs_s", "perf/ref_logprobs_s", "perf/update_s", "perf/weight_sync_s",
@@ -47,7 +47,7 @@ KEYS = ["perf/step_s", "perf/rollout_s", "perf/old_logprobs_s", "perf/ref_logpro
 PHASES = ["rollout", "old_logprobs", "ref_logprobs", "update", "weight_sync"]
 
 WORKLOADS = {
-    "mawps": ["data.train_path=" + str(SHARED_DATA / "eval" / "mawps.jsonl"), "data.prompt_key=input",
+    "mawps": ["data.train_path=" + str(EVAL_DATA / "mawps.jsonl"), "data.prompt_key=input",
               "data.answer_key=target", "env.path=envs/math.py",
               "data.system_prompt='Solve the problem and put your final answer within \\boxed{}.'",
               "rollout.n=4", "trainer.prompts_per_step=16", "rollout.max_new_tokens=128", "algo.adv_estimator=drgrpo",

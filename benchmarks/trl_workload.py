@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import SHARED_DATA  # noqa: E402
+from benchmarks.common import EVAL_DATA  # noqa: E402
 from sparserl.utils.memory import peak_rss_gb  # noqa: E402
 
 SYSTEM = "Solve the problem and put your final answer within \\boxed{}."
@@ -42,7 +42,7 @@ def main() -> None:
     from sparserl.rewards.math import verify_answer
 
     path = resolve_model_path(args.model)
-    rows = [json.loads(line) for line in open(SHARED_DATA / "eval" / "mawps.jsonl")]
+    rows = [json.loads(line) for line in open(EVAL_DATA / "mawps.jsonl")]
     data = Dataset.from_list([{"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["input"]}],
                                "answer": str(r["target"])} for r in rows])
 

@@ -206,7 +206,7 @@ class EvalConfig:
     # Shared eval sets by name (gsm8k, math500, aime24, amc23, minerva, olympiadbench, gaokao2023en, mawps) or
     # {name, path, prompt_key, answer_key, answer_extract, env, suffix} entries (a known name fills the rest).
     datasets: list[Any] = field(default_factory=list)
-    data_dir: str = ""  # where the named sets live; empty: ../shared/data/eval next to the project
+    data_dir: str = ""  # where the named sets live; empty: the package's own copy (sparserl/data/eval)
     n: int = 1  # samples per prompt
     k: list[int] = field(default_factory=lambda: [1])  # pass@k for each k (1 <= k <= n)
     temperature: float = 0.0  # 0 = greedy

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
+# The data the tests read ships with the repository: the eval sets as package data, the training sets beside it.
+EVAL_DATA = ROOT / "sparserl" / "data" / "eval"
+TRAIN_DATA = ROOT / "data" / "train"
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -33,11 +35,10 @@ def tiny_model(family: str = "llama", seed: int = 0, dtype=torch.float32, **kw):
     return AutoModelForCausalLM.from_config(tiny_config(family, **kw)).to(dtype).eval()
 
 
-@pytest.fixture(scope="session")
-def shared_data() -> Path:
-    if not SHARED_DATA.exists():
-        pytest.skip(f"shared data folder {SHARED_DATA} is absent")
-    return SHARED_DATA
+def data_file(name: str) -> Path:
+    """`eval/<file>` or `train/<file>` -> the repository's copy."""
+    folder, _, file = name.partition("/")
+    return {"eval": EVAL_DATA, "train": TRAIN_DATA}[folder] / file
 
 
 def _smollm2_tokenizer_dir(root: Path) -> Path:

@@ -11,7 +11,7 @@ set -euo pipefail
 DATA=${DATA:-simplelr_qwen_level3to5}
 MODE=${MODE:-sparse_rl}
 GPUS=${GPUS:-4}
-DATA_DIR=${DATA_DIR:-$(cd "$(dirname "$0")/../../.." && pwd)/shared/data/train}
+DATA_DIR=${DATA_DIR:-$(cd "$(dirname "$0")/../.." && pwd)/data/train}
 RUN=${RUN:-outputs/$(basename "$MODEL_PATH")-$MODE}
 
 exec torchrun --standalone --nproc_per_node="$GPUS" -m sparserl.trainer.grpo \

@@ -95,7 +95,8 @@ def _read_table(path: str, key: str):
     import datasets
 
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{key}={path}: no such file or folder")
+        where = "" if os.path.isabs(path) else f" (a relative path is read from the current folder, {os.getcwd()})"
+        raise FileNotFoundError(f"{key}={path}: no such file or folder{where}")
     if os.path.isdir(path):
         try:
             ds = datasets.load_from_disk(path)

@@ -1,8 +1,10 @@
 """Evaluation sets: `eval.datasets` entries -> checked `EvalSet`s (rows read, env loaded) before any output.
 
-An entry is the name of a shared eval set (`SHARED`: the files of ../shared/data/eval with their fields, the
-math env and a boxed-answer instruction) or a mapping `{name, path, prompt_key, answer_key, answer_extract,
-env, suffix}`; a mapping whose name is a shared set starts from that set's values. `eval.limit` keeps the
+An entry is the name of a shared eval set (`SHARED`: the files of sparserl/data/eval, package data, with their
+fields, the math env and a boxed-answer instruction) or a mapping `{name, path, prompt_key, answer_key,
+answer_extract, env, suffix}`; a mapping whose name is a shared set starts from that set's values. A name is
+read from the package's copy unless `eval.data_dir` names another folder, so a clone or an installed wheel
+needs nothing beside it; a `path` is used as given (relative to the current folder). `eval.limit` keeps the
 first rows of each file (the same rows for every run, so numbers compare across models and settings).
 
 Every mistake is a `UserError` naming the entry: unknown name or field, missing file, a prompt key no row
@@ -21,7 +23,8 @@ from sparserl.data.dataset import ANSWER_EXTRACTORS, PromptRow, load_prompts
 from sparserl.utils.envload import EnvModule, load_env
 from sparserl.utils.errors import UserError
 
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "eval"
+# The shared sets ship with the package (setup.py package_data; provenance in its README.md).
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "eval"
 # The instruction of the Qwen2.5-Math chain-of-thought prompt, which the Sparse-RL evaluation suite uses.
 BOXED_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 

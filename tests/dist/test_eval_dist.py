@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import EVAL_DATA
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Scores a response by its word count, so that a random tiny model gets some samples right and some wrong, and
@@ -32,10 +34,10 @@ def run_eval(nproc, args, timeout=300):
     return res
 
 
-def test_one_and_two_processes_give_the_same_samples_and_summary(tiny_checkpoint, shared_data, tmp_path):
+def test_one_and_two_processes_give_the_same_samples_and_summary(tiny_checkpoint, tmp_path):
     env = tmp_path / "toy_env.py"
     env.write_text(TOY_ENV)
-    toy = f"{{name:toy,path:{shared_data / 'eval' / 'mawps.jsonl'},prompt_key:input,answer_key:target,env:{env}}}"
+    toy = f"{{name:toy,path:{EVAL_DATA / 'mawps.jsonl'},prompt_key:input,answer_key:target,env:{env}}}"
     # 7 prompts per set: the ranks get 4 and 3; R-KV with the prompt compressed, so the sparse path is covered too.
     args = [f"model.path={tiny_checkpoint}", f"eval.datasets=[gsm8k,{toy}]", "eval.limit=7", "eval.n=3", "eval.k=[1,2,3]",
             "eval.temperature=1.0", "eval.max_new_tokens=8", "rollout.dtype=float32", "rollout.kv.algorithm=rkv",

@@ -27,7 +27,7 @@ def eval_args(model, out, **extra):
     return {**args, **extra}
 
 
-def test_eval_two_shared_sets(tiny_checkpoint, shared_data, tmp_path):
+def test_eval_two_shared_sets(tiny_checkpoint, tmp_path):
     out = tmp_path / "eval"
     res = run_module("sparserl.eval", eval_args(tiny_checkpoint, out, **{"eval.datasets": "[gsm8k,mawps]", "eval.limit": 8}))
     assert res.returncode == 0, res.stderr[-3000:]
@@ -57,7 +57,7 @@ def test_eval_two_shared_sets(tiny_checkpoint, shared_data, tmp_path):
     ({"eval.datasets": "[{name:gsm8k,prompt_key:problem}]"}, "'problem'"),
     ({"eval.datasets": "[mawps]", "eval.k": "[1,4]"}, "eval.k=[1"),
 ])
-def test_bad_input_one_line_exit_2_nothing_written(tiny_checkpoint, shared_data, tmp_path, override, expect):
+def test_bad_input_one_line_exit_2_nothing_written(tiny_checkpoint, tmp_path, override, expect):
     out = tmp_path / "never"
     res = run_module("sparserl.eval", eval_args(tiny_checkpoint, out, **override))
     assert res.returncode == 2, res.stderr[-2000:]
@@ -67,7 +67,7 @@ def test_bad_input_one_line_exit_2_nothing_written(tiny_checkpoint, shared_data,
     assert not out.exists()
 
 
-def test_training_logs_eval_rows_and_matches_the_standalone_eval(tiny_checkpoint, shared_data, tmp_path):
+def test_training_logs_eval_rows_and_matches_the_standalone_eval(tiny_checkpoint, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}) + "\n"
                             for a, b in [(1, 1), (2, 3), (4, 4), (5, 1)]))

@@ -8,6 +8,7 @@ import pytest
 
 from sparserl.data.dataset import PromptRow, answer_to_str, format_prompt, load_prompts
 from sparserl.data.sampler import PromptSampler
+from tests.conftest import data_file
 
 # file -> (prompt_key, answer_key, answer_extract, rows, answer of row 0)
 SHARED = {
@@ -32,9 +33,9 @@ BLANK_ANSWERS = {
 
 
 @pytest.mark.parametrize("name", sorted(SHARED))
-def test_every_shared_file_loads(name, shared_data):
+def test_every_shared_file_loads(name):
     prompt_key, answer_key, extract, n, first_answer = SHARED[name]
-    rows = load_prompts(str(shared_data / name), prompt_key=prompt_key, answer_key=answer_key, answer_extract=extract)
+    rows = load_prompts(str(data_file(name)), prompt_key=prompt_key, answer_key=answer_key, answer_extract=extract)
     assert len(rows) == n
     assert [r.index for r in rows[:3]] == [0, 1, 2]
     missing = [r.index for r in rows if r.answer is None]
@@ -140,10 +141,10 @@ def test_format_prompt(tokenizer):
         format_prompt(plain, tokenizer, apply_chat_template="sometimes")
 
 
-def test_format_both_train_files_agree(tokenizer, shared_data):
+def test_format_both_train_files_agree(tokenizer):
     """The pre-templated Qwen file and the messages file give the same text under a ChatML template."""
-    qwen = load_prompts(str(shared_data / "train/simplelr_qwen_level3to5.jsonl"), answer_key="label")[:5]
-    chat = load_prompts(str(shared_data / "train/simplelr_level3to5.jsonl"), answer_key="label")[:5]
+    qwen = load_prompts(str(data_file("train/simplelr_qwen_level3to5.jsonl")), answer_key="label")[:5]
+    chat = load_prompts(str(data_file("train/simplelr_level3to5.jsonl")), answer_key="label")[:5]
     for q, c in zip(qwen, chat):
         assert format_prompt(q, tokenizer) == q.prompt
         assert format_prompt(c, tokenizer) == q.prompt

@@ -9,6 +9,7 @@ import pytest
 
 from sparserl.data.dataset import load_prompts, rows_from_records
 from sparserl.utils.envload import load_env
+from tests.conftest import EVAL_DATA
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,8 +66,8 @@ def test_arithmetic_env_metadata(arithmetic):
     assert arithmetic.max_turns == 1 and arithmetic.reset is None and arithmetic.name == "arithmetic"
 
 
-def test_math_env_on_a_math500_row(math_env, shared_data):
-    rows = load_prompts(str(shared_data / "eval" / "math500.jsonl"), prompt_key="problem", key="data.eval_path")
+def test_math_env_on_a_math500_row(math_env):
+    rows = load_prompts(str(EVAL_DATA / "math500.jsonl"), prompt_key="problem", key="data.eval_path")
     row = rows[0]  # (3, pi/2) in polar coordinates
     assert row.answer == "\\left( 3, \\frac{\\pi}{2} \\right)"
     extra = {**row.extra, "answer": row.answer}

@@ -1,0 +1,76 @@
+"""The data ships with the project: the named eval sets are package data (in the wheel, resolved inside the
+installed package) and the training sets are in the repository, so a clone or a wheel needs nothing beside it.
+
+The wheel is built from a copy of setup.py, README.md and sparserl/ in a temporary folder, so the test leaves no
+build/ or egg-info in the checkout.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import sparserl
+from sparserl.config import EvalConfig
+from sparserl.eval.datasets import DEFAULT_DATA_DIR, SHARED, load_eval_sets, resolve_spec
+from sparserl.utils.errors import UserError
+from tests.conftest import EVAL_DATA, TRAIN_DATA
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = Path(sparserl.__file__).resolve().parent
+EVAL_FILES = sorted(spec.path for spec in SHARED.values())
+
+
+def test_every_named_set_resolves_inside_the_package():
+    assert DEFAULT_DATA_DIR == PACKAGE / "data" / "eval" == EVAL_DATA
+    for i, name in enumerate(SHARED):
+        path = Path(resolve_spec(name, i, DEFAULT_DATA_DIR).path)
+        assert path.is_relative_to(PACKAGE) and path.is_file(), path
+        assert "shared" not in path.relative_to(PACKAGE).parts
+    assert sorted(p.name for p in EVAL_DATA.glob("*.jsonl")) == EVAL_FILES
+    assert (EVAL_DATA / "README.md").is_file()
+
+
+def test_data_dir_and_explicit_paths_resolve_as_given(tmp_path):
+    assert resolve_spec("gsm8k", 0, tmp_path).path == str(tmp_path / "gsm8k.jsonl")
+    mine = {"name": "gsm8k", "path": "some/where.jsonl"}
+    assert resolve_spec(mine, 0, DEFAULT_DATA_DIR).path == "some/where.jsonl"
+    with pytest.raises(UserError, match=re.escape(f"no such file {tmp_path / 'mawps.jsonl'}")):
+        load_eval_sets(EvalConfig(datasets=["mawps"], data_dir=str(tmp_path)))
+
+
+def test_training_sets_are_in_the_repository():
+    names = sorted(p.name for p in TRAIN_DATA.glob("*.jsonl"))
+    assert names == ["simplelr_level3to5.jsonl", "simplelr_qwen_level3to5.jsonl"]
+    assert (TRAIN_DATA / "README.md").is_file()
+    recipe = (ROOT / "examples" / "recipes" / "paper.sh").read_text()
+    assert '/../.." && pwd)/data/train' in recipe
+
+
+@pytest.mark.timeout(180)
+def test_the_wheel_holds_the_eval_sets(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("setup.py", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    shutil.copytree(ROOT / "sparserl", src / "sparserl", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+           "-w", str(tmp_path / "dist"), str(src)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("sparserl-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        for file in EVAL_FILES:
+            member = f"sparserl/data/eval/{file}"
+            assert member in names, member
+            assert zf.read(member) == (EVAL_DATA / file).read_bytes(), member
+    assert "sparserl/data/eval/README.md" in names
+    assert not any("simplelr" in n for n in names)  # the training sets stay in the repository
