@@ -6,8 +6,13 @@ setup(
     description="GRPO-family RL for LLMs with KV-compressed (sparse) rollouts and off-policy correction",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="MIT",
     python_requires=">=3.10",
-    packages=find_packages(include=["sparserl", "sparserl.*"]),
+    # The base configs and the built-in env modules live at the repository root (configs/, envs/); a wheel ships
+    # them inside the package as sparserl/configs and sparserl/envs, where sparserl/config.py and
+    # sparserl/utils/envload.py look when the repository is not there.
+    packages=find_packages(include=["sparserl", "sparserl.*"]) + ["sparserl.configs", "sparserl.envs"],
+    package_dir={"sparserl.configs": "configs", "sparserl.envs": "envs"},
     install_requires=[
         "torch>=2.6",
         "transformers>=4.56",
@@ -34,7 +39,8 @@ setup(
     },
     # The named eval sets (eval.datasets=[gsm8k,...]) and their provenance ship with the package; the training
     # sets (data/train/, 7 MB) stay in the repository.
-    package_data={"sparserl.report": ["viewer.js", "report.css"], "sparserl.data": ["eval/*.jsonl", "eval/README.md"]},
+    package_data={"sparserl.report": ["viewer.js", "report.css"], "sparserl.data": ["eval/*.jsonl", "eval/README.md"],
+                  "sparserl.configs": ["*.yaml", "preset/*.yaml"]},
     # Loaded by SGLang in each of its processes: sparserl's sampler (sparserl/rollout/sglang/sampler.py) and the
     # sparserl_kv attention backend (kv_backend.py). Nothing is imported unless SGLang loads its plugins, and
     # each acts only in engines sparserl starts with its environment flag.

@@ -1,4 +1,4 @@
-"""Side-by-side table of `python -m sparserl.eval` runs (README "Evaluate"), with one diagnostic column.
+"""Side-by-side table of `python -m sparserl.eval` runs (docs/evaluation.md), with one diagnostic column.
 
     python benchmarks/eval_table.py outputs/eval_smollm2/dense outputs/eval_smollm2/rkv128
 

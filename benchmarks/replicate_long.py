@@ -42,8 +42,8 @@ scores 0.19 under this compression: room to improve densely, and compressed roll
 8 GRPO steps x 2 prompts x 4 samples at lr 1e-5 (one dense pilot run moved the held-out score 0.39 -> 0.43), 16
 held-out prompts. Measured on an idle moment of the 2-core CPU box: ~66 s per GRPO step (rollout 35-45 s, update
 ~26 s), ~9 min per run, ~80 s per evaluation; the whole experiment (warm-start, 9 runs, 11 evaluations) took
-94.7 min, over a 90-minute target, and 8 steps give a small dense gain (results: README). `--steps 16` gives the runs
-twice the updates for ~3 h.
+94.7 min, over a 90-minute target, and 8 steps give a small dense gain (results: docs/replications.md).
+`--steps 16` gives the runs twice the updates for ~3 h.
 
 Left out on purpose: a warm-start per seed (seeds vary the RL, not the starting policy), and compressed
 evaluations of the final policies (`--eval-compressed` adds them).

@@ -5,7 +5,7 @@
     python benchmarks/rollout_throughput.py --engine native native:cache   # rollout.decode_cache off (default) / on
     python benchmarks/rollout_throughput.py --quantization none int8 --batch 1 16 64 --new-tokens 64
 
-`--quantization` compares quantized native engines instead (README "Quantized rollouts"): new tokens/s per batch
+`--quantization` compares quantized native engines instead (docs/quantization.md): new tokens/s per batch
 (prefill included), the engine's weight memory, and the mismatch KL (mean of logp_sparse - logp_dense over
 response tokens, the trainer's `mismatch/kl`) against dense log-probs of the same tokens from an unquantized
 model in `--trainer-dtype`, computed the way the actor computes them. `int8:dequant` forces the

@@ -1,14 +1,18 @@
-"""The command line of every entry point: `key=value` overrides, `+preset=NAME`, `--help` and `--cfg job`.
+"""The command line of every entry point: `key=value` overrides, `+preset=NAME`, `--config-name NAME`,
+`--help` and `--cfg job`.
 
 `parse_cli(argv, config_name)` returns the loaded, range-checked `Config`, or None after it answered
 `--help` / `-h` (every key with its value and its description) or `--cfg job` (the resolved config as YAML);
-the caller then exits 0. Under torchrun only rank 0 prints. Anything else that starts with `-` is a
-UserError. The help text is generated: keys and values from the dataclasses of `sparserl/config.py` and the
-loaded config, descriptions from the trailing `# comment` of each field in that file's source, valid values
-from `config_checks.RULES`. A key without a comment is listed without a description.
+the caller then exits 0. Under torchrun only rank 0 prints. `--config-name NAME` (or `-cn NAME`) starts from
+configs/NAME.yaml instead of the entry point's own base config (grpo for training, eval for evaluation), e.g.
+`--config-name gpu` for the paper's GPU settings. Anything else that starts with `-` is a UserError. The help
+text is generated: keys and values from the dataclasses of `sparserl/config.py` and the loaded config,
+descriptions from the trailing `# comment` of each field in that file's source, valid values from
+`config_checks.RULES`. A key without a comment is listed without a description. `sections()` is that text as
+data; scripts/gen_reference.py renders docs/config.md from it.
 
-Left out on purpose: the rest of Hydra's command line (`--multirun`, `--cfg hydra`, tab completion,
-`hydra.*` run directories): a run writes to `trainer.output_dir` and nowhere else.
+Left out on purpose: the rest of Hydra's command line (`--multirun`, `--cfg hydra`, `--config-path`, tab
+completion, `hydra.*` run directories): a run writes to `trainer.output_dir` and nowhere else.
 """
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ import os
 import sys
 import textwrap
 import tokenize
+from typing import Any
 
-from sparserl.config import CONFIG_DIR, Config, load_config, to_yaml
+from sparserl.config import CONFIG_DIR, Config, base_configs, load_config, to_yaml
 from sparserl.config_checks import RULES, show
 from sparserl.utils.errors import UserError
 
@@ -37,13 +42,20 @@ def parse_cli(argv: list[str], config_name: str = "grpo") -> Config | None:
         arg = args.pop(0)
         if arg in ("-h", "--help"):
             want_help = True
+        elif arg in ("--config-name", "-cn") or arg.startswith("--config-name="):
+            name = arg.split("=", 1)[1] if "=" in arg else (args.pop(0) if args else "")
+            if name.removesuffix(".yaml") not in base_configs():
+                raise UserError(f"--config-name {name or '(nothing)'}: no such base config; "
+                                f"the base configs are {', '.join(base_configs())} (configs/NAME.yaml)")
+            config_name = name.removesuffix(".yaml")
         elif arg in ("--cfg", "-c") or arg.startswith("--cfg="):
             what = arg.split("=", 1)[1] if "=" in arg else (args.pop(0) if args else "")
             if what != "job":
                 raise UserError(f"--cfg {what or '(nothing)'}: only --cfg job is supported (the resolved run config)")
             want_cfg = True
         elif arg.startswith("-"):
-            raise UserError(f"unknown option {arg!r}: the options are --help and --cfg job; settings are key=value")
+            raise UserError(f"unknown option {arg!r}: the options are --help, --cfg job and --config-name NAME; "
+                            "settings are key=value")
         else:
             overrides.append(arg)
     if want_help:
@@ -70,15 +82,21 @@ def help_text(config_name: str = "grpo", overrides: list[str] | None = None) -> 
     prog = _prog()
     presets = sorted(p.stem for p in (CONFIG_DIR / "preset").glob("*.yaml"))
     lines = [
-        f"usage: python -m {prog} [key=value ...] [+preset=NAME] [--cfg job] [-h]",
+        f"usage: python -m {prog} [key=value ...] [+preset=NAME] [--config-name NAME] [--cfg job] [-h]",
         "",
         f"Every key below is set with key=value; the values shown are configs/{config_name}.yaml's"
         f"{' with the overrides given' if overrides else ''}.",
         f"+preset=NAME applies configs/preset/NAME.yaml ({', '.join(presets)}); later overrides still apply.",
+        f"--config-name NAME starts from configs/NAME.yaml ({', '.join(base_configs())}) instead.",
         "--cfg job prints the resolved config as YAML and exits. A bad key, value, data file or output folder",
         "stops the run before any work with one line `error: ...` on stderr and exit code 2.",
     ]
-    _describe(cfg, "", lines)
+    for section in sections(cfg):
+        if section.key:
+            lines += ["", f"{section.key}:" + (f"  {section.doc}" if section.doc else "")]
+        for k in section.keys:
+            entry = f"  {k.key} = {show(k.value)}"
+            lines.append(f"{entry:<{KEY_WIDTH}} {k.help}".rstrip() if len(entry) < KEY_WIDTH else f"{entry}  {k.help}".rstrip())
     return "\n".join(lines)
 
 
@@ -88,26 +106,46 @@ def _prog() -> str:
     return name.removesuffix(".__main__")
 
 
-def _describe(node, prefix: str, lines: list[str]) -> None:
-    """Leaves of `node` first, then one block per nested group, in field order."""
+@dataclasses.dataclass(frozen=True)
+class KeyDoc:
+    key: str  # dotted name, as set on the command line
+    type: str  # the field's annotation in sparserl/config.py
+    value: Any  # its value in the loaded config
+    help: str  # the field's comment, with config_checks.RULES's valid values where the comment does not list them
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    key: str  # the group's dotted name; '' for the root
+    doc: str  # the first line of the group's docstring, if it has one
+    keys: tuple[KeyDoc, ...]
+
+
+def sections(cfg: Config) -> list[Section]:
+    """Every group of `cfg` in `--help`'s order (a group's own keys, then its nested groups, in field order)."""
+    out: list[Section] = []
+    _walk(cfg, "", "", out)
+    return out
+
+
+def _walk(node, key: str, doc: str, out: list[Section]) -> None:
     comments = field_comments(type(node))
-    groups = []
+    keys, groups = [], []
     for f in dataclasses.fields(node):
-        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        value, name = getattr(node, f.name), f"{key}.{f.name}" if key else f.name
         if dataclasses.is_dataclass(value):
-            groups.append((key, value))
+            groups.append((name, value))
             continue
         text = comments.get(f.name, "")
-        rule = RULES.get(key)
-        if rule is not None and not (rule.names and all(name in text for name in rule.names)):
+        rule = RULES.get(name)
+        if rule is not None and not (rule.names and all(n in text for n in rule.names)):
             text = f"{text} [{rule.desc}]" if text else f"[{rule.desc}]"
-        entry = f"  {key} = {show(value)}"
-        lines.append(f"{entry:<{KEY_WIDTH}} {text}".rstrip() if len(entry) < KEY_WIDTH else f"{entry}  {text}".rstrip())
-    for key, value in groups:
-        doc = (inspect.getdoc(type(value)) or "").split("\n")[0]
-        doc = "" if doc.startswith(type(value).__name__ + "(") else doc  # dataclasses' generated signature
-        lines += ["", f"{key}:" + (f"  {doc}" if doc else "")]
-        _describe(value, f"{key}.", lines)
+        keys.append(KeyDoc(name, str(f.type), value, text))
+    out.append(Section(key, doc, tuple(keys)))
+    for name, value in groups:
+        first = (inspect.getdoc(type(value)) or "").split("\n")[0]
+        first = "" if first.startswith(type(value).__name__ + "(") else first  # dataclasses' generated signature
+        _walk(value, name, first, out)
 
 
 @functools.cache

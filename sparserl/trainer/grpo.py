@@ -1,6 +1,6 @@
 """`torchrun -m sparserl.trainer.grpo key=value ...`: GRPO-family training on (sparse) rollouts.
 
-Each step, top to bottom (DESIGN.md section 2): wake the engine, roll out this rank's prompts through the
+Each step, top to bottom (reasons in docs/decisions.md): wake the engine, roll out this rank's prompts through the
 env, put the engine to sleep, recompute dense log-probs, correct for the sampler mismatch, compute group
 advantages, update the actor, push the weights to the engine, log, checkpoint. This file orchestrates;
 the work happens in the functions it calls.

@@ -44,10 +44,14 @@ class EnvModule:
 def load_env(path: str, key: str = "env.path") -> EnvModule:
     """Import the file at `path` as a module and check that it is an env. `key` names the config entry."""
     given = os.path.expanduser(path)
-    # The built-in envs (envs/...) also resolve from the project root, so the defaults work from any folder.
-    root_relative = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), given)
-    if not os.path.isabs(given) and not os.path.isfile(given) and os.path.isfile(root_relative):
-        given = root_relative
+    # The built-in envs (envs/...) also resolve from the project root, so the defaults work from any folder, and
+    # from the package, where an installed wheel has them (setup.py ships envs/ as sparserl/envs).
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isabs(given) and not os.path.isfile(given):
+        for root in (os.path.dirname(package), package):
+            if os.path.isfile(os.path.join(root, given)):
+                given = os.path.join(root, given)
+                break
     path = os.path.abspath(given)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{key}={path}: no such file")

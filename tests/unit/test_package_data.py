@@ -1,8 +1,10 @@
 """The data ships with the project: the named eval sets are package data (in the wheel, resolved inside the
 installed package) and the training sets are in the repository, so a clone or a wheel needs nothing beside it.
 
-The wheel is built from a copy of setup.py, README.md and sparserl/ in a temporary folder, so the test leaves no
-build/ or egg-info in the checkout.
+The wheel is built from a copy of setup.py, README.md, sparserl/, configs/ and envs/ in a temporary folder, so the
+test leaves no build/ or egg-info in the checkout. The base configs and the built-in envs ship in the wheel too
+(sparserl/configs, sparserl/envs), so an installed package runs its defaults with no checkout beside it
+(scripts/check_wheel.sh runs one).
 """
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ def test_the_wheel_holds_the_eval_sets(tmp_path):
     src.mkdir()
     for name in ("setup.py", "README.md"):
         shutil.copy2(ROOT / name, src / name)
-    shutil.copytree(ROOT / "sparserl", src / "sparserl", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for folder in ("sparserl", "configs", "envs"):
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
            "-w", str(tmp_path / "dist"), str(src)]
@@ -72,5 +75,12 @@ def test_the_wheel_holds_the_eval_sets(tmp_path):
             member = f"sparserl/data/eval/{file}"
             assert member in names, member
             assert zf.read(member) == (EVAL_DATA / file).read_bytes(), member
+        for folder in ("configs", "envs"):  # as sparserl/configs and sparserl/envs
+            for path in (ROOT / folder).rglob("*"):
+                if path.suffix in (".yaml", ".py"):
+                    member = f"sparserl/{folder}/{path.relative_to(ROOT / folder).as_posix()}"
+                    assert member in names and zf.read(member) == path.read_bytes(), member
     assert "sparserl/data/eval/README.md" in names
+    for module in PACKAGE.rglob("*.py"):  # every module, so `python -m sparserl.eval` runs from an installed wheel
+        assert f"sparserl/{module.relative_to(PACKAGE).as_posix()}" in names, module
     assert not any("simplelr" in n for n in names)  # the training sets stay in the repository

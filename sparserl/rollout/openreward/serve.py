@@ -36,11 +36,13 @@ os.environ.setdefault("OPENREWARD_LOG_LEVEL", "WARNING")
 
 
 def resolve_path(path: str) -> Path:
-    """`path` as given, or relative to the project root (so `envs/...` works from any folder)."""
+    """`path` as given, or relative to the project root (so `envs/...` works from any folder), or to the package
+    (an installed wheel has envs/ as sparserl/envs)."""
     given = Path(os.path.expanduser(path))
-    root_relative = Path(__file__).resolve().parents[3] / given
-    if not given.is_absolute() and not given.is_file() and root_relative.is_file():
-        return root_relative
+    if not given.is_absolute() and not given.is_file():
+        for root in Path(__file__).resolve().parents[3:1:-1]:
+            if (root / given).is_file():
+                return root / given
     return given.absolute()
 
 

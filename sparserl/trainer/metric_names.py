@@ -1,0 +1,246 @@
+"""Every metric a run writes to `metrics.jsonl` (and wandb), with what it means.
+
+This is the one list of metric names: docs/metrics.md is generated from it (scripts/gen_reference.py), and the
+tests hold the code to it both ways a name can drift: tests/e2e/test_metric_names.py runs a one-step training
+run with most features on and checks that every key of its metrics.jsonl is listed here, and
+tests/unit/test_metric_names.py checks every metric-shaped string in sparserl/'s source (literals and f-strings),
+every timer phase of the trainer and every tool counter against this list (and that no listed name is stale).
+
+A name is exact (`reward/mean`) or a family with `<placeholder>` parts (`eval/<set>/pass@<k>`); `PLACEHOLDERS`
+says what each part may be, and `find(key)` gives the entry that documents a logged key. Names the code builds
+but never logs (per-rank sums that the trainer reduces into other metrics) are in `INTERNAL`, with the metric
+they become. Pure data and the standard library, so the docs and the checks import no torch.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str  # exact, or with <placeholder> parts
+    meaning: str  # one line
+    when: str = ""  # the settings under which a run logs it; empty: every training step
+
+
+# The groups, in the order docs/metrics.md lists them: the prefix before the first `/`, and what its metrics share.
+GROUPS: dict[str, str] = {
+    "step": "The row's step.",
+    "reward": "The env's rewards of the step's samples, over all data-parallel ranks.",
+    "score": "The env's score (its own measure of success, reported beside the reward), over all ranks.",
+    "response": "Lengths and endings of the sampled responses, over all ranks.",
+    "env": "How the episodes went, over all ranks.",
+    "adv": "Group advantages (`algo.adv_estimator`) of the sequences on rank 0.",
+    "actor": "The policy update: means over the step's optimizer steps and all ranks.",
+    "mismatch": ("How far the sampler's log-probs (logp_sparse) are from the trainer's dense recompute (logp_old) on "
+                 "the sampled response tokens of the step, all ranks; logged whether or not the correction is on "
+                 "(docs/correction.md). xi = exp(logp_old - logp_sparse)."),
+    "correction": ("The sparsity correction (`algo.correction.*`): token mask, sequence rejection and importance "
+                   "weights, over the response tokens (or sequences) of the step on all ranks."),
+    "kv": "The rollout engine's KV cache during the step's rollout.",
+    "rollout": "The rollout engine's own numbers, mean over data-parallel ranks.",
+    "perf": "Wall-clock time and throughput.",
+    "mem": "Memory in GiB: allocated device memory on a GPU, resident memory (RSS) on a CPU.",
+    "eval": ("Evaluation during training (`trainer.eval_every > 0`): the `eval.*` sets on the rollout engine, at "
+             "step 0, every `eval_every` steps and after the last step; the numbers `python -m sparserl.eval` prints."),
+    "openreward": "OpenReward environments (`env.openreward.envs`), per environment.",
+    "tool": "Tool calls of OpenReward episodes, mean per sample over all ranks.",
+}
+
+# The phases the trainer times (`with timers(NAME)` in sparserl/trainer/grpo.py): `perf/<phase>_s`,
+# `mem/<phase>_peak_gb`, `mem/<phase>_end_gb`.
+PHASES: dict[str, str] = {
+    "rollout": "sampling the step's responses through the env",
+    "old_logprobs": "the separate dense forward for logp_old (when the update cannot give it: several optimizer steps per rollout)",
+    "ref_logprobs": "the reference model's log-probs (`algo.kl.coef > 0`)",
+    "update": "rank balancing and the optimizer steps",
+    "weight_sync": "pushing the new weights into the rollout engine",
+    "log_samples": "writing `trainer.log_samples` sequences to samples/step_N.jsonl",
+}
+
+# The counters of an OpenReward episode (sparserl/rollout/openreward/driver.py TOOL_STATS): `tool/<counter>_mean`.
+TOOL_COUNTERS: dict[str, str] = {
+    "calls": "tool calls sent to the environment",
+    "malformed": "tool calls the parser could not read (the model gets an error message)",
+    "errors": "tool calls answered with an error: an unknown tool, or one the tool refused (bad arguments)",
+    "failed": "tool calls that raised in the environment (the sample ends with status error)",
+}
+
+SFT = "python -m sparserl.trainer.sft too"
+CORRECTION = "`algo.correction.enable=true`"
+
+METRICS: tuple[Metric, ...] = (
+    Metric("step", "The training step, from 1; the evaluation before training has a row of its own with step 0",
+           "every row"),
+    # reward/, score/
+    Metric("reward/mean", "Mean reward of the step's samples"),
+    Metric("reward/std", "Standard deviation of those rewards (over all samples, not within groups)"),
+    Metric("reward/kl", "Mean per-token KL estimate (`algo.kl.estimator`) of the sampling policy to the reference",
+           "`algo.kl.coef > 0`, `algo.kl.mode=reward`"),
+    Metric("reward/kl_penalty", "Mean per-token penalty `algo.kl.coef` x `reward/kl`; each sequence's sum is "
+           "subtracted from its reward before the advantages", "`algo.kl.coef > 0`, `algo.kl.mode=reward`"),
+    Metric("score/mean", "Mean env score of the samples"),
+    # response/
+    Metric("response/len_mean", "Mean response length in tokens (every turn after the prompt, env observations included)"),
+    Metric("response/len_max", "Longest response in tokens"),
+    Metric("response/truncated_frac", "Share of samples that ended at a length limit (`rollout.max_new_tokens` or "
+           "the room left in the context) instead of at EOS, a stop string or the env's end"),
+    # env/
+    Metric("env/error_frac", "Share of samples whose env step or reset raised (reward 0; training goes on)"),
+    Metric("env/error_count", "Number of those samples"),
+    Metric("env/timeout_frac", "Share of samples whose env call ran past `env.step_timeout_s` (reward 0)"),
+    Metric("env/turns_mean", "Mean model turns per episode"),
+    # adv/
+    Metric("adv/mean", "Mean advantage over the sequences counted in their group's baseline"),
+    Metric("adv/std", "Standard deviation of those advantages"),
+    Metric("adv/abs_max", "Largest absolute advantage"),
+    Metric("adv/zero_std_group_frac", "Share of groups whose rewards all tie: their advantages are 0 (no learning signal)"),
+    Metric("adv/valid_frac", "Share of sequences counted in their group's baseline (below 1 only with "
+           "`algo.correction.rejected_in_baseline=false` and rejected sequences)"),
+    # actor/
+    Metric("actor/loss", "The loss: policy-gradient term + `algo.kl.coef` x KL term - `algo.entropy_coef` x entropy "
+           "(SFT: mean cross-entropy per target token)", SFT),
+    Metric("actor/pg_loss", "The policy-gradient term (`algo.policy_loss`, with the correction's weights and mask)"),
+    Metric("actor/kl", "The KL term: KL estimate (`algo.kl.estimator`) of the policy to the reference, aggregated "
+           "as the loss is, before `algo.kl.coef`", "`algo.kl.coef > 0`, `algo.kl.mode=loss`"),
+    Metric("actor/entropy", "Mean entropy of the policy's next-token distribution on response tokens (aggregated as the loss is)"),
+    Metric("actor/clip_frac", "Share of response tokens whose ratio pi/pi_old was clipped (no gradient under PPO)"),
+    Metric("actor/clip_frac_low", "Share clipped below at 1 - `algo.clip_low` (negative advantage under PPO)"),
+    Metric("actor/clip_frac_high", "Share clipped above at 1 + `algo.clip_high` (positive advantage under PPO)"),
+    Metric("actor/dual_clip_frac", "Share of negative-advantage tokens whose loss the dual clip bounded",
+           "`algo.dual_clip` set"),
+    Metric("actor/ratio_mean", "Mean ratio pi/pi_old on response tokens (1 on the first optimizer step of a rollout)"),
+    Metric("actor/approx_kl", "k3 estimate of KL(pi_old || pi) on response tokens: how far the update moved the policy"),
+    Metric("actor/grad_norm", "Gradient norm before clipping to `actor.max_grad_norm`, mean over the applied optimizer steps",
+           SFT),
+    Metric("actor/skipped_steps", "Optimizer steps skipped for a non-finite loss or gradient norm"),
+    Metric("actor/lr", "Learning rate after the step's optimizer steps", SFT),
+    Metric("actor/token_acc", "Share of target tokens that are the model's argmax prediction", "SFT only"),
+    # mismatch/
+    Metric("mismatch/kl", "Mean of logp_sparse - logp_old per token: a k1 estimate of KL(sampler || dense policy)"),
+    Metric("mismatch/k3_kl", "Mean of xi - 1 - log xi per token: the k3 estimate of the same KL (non-negative)"),
+    Metric("mismatch/abs_mean", "Mean |log xi| per token"),
+    Metric("mismatch/abs_max", "Largest |log xi| of any token"),
+    Metric("mismatch/log_ppl_sparse", "Mean over sequences of the sampler's per-token negative log-likelihood"),
+    Metric("mismatch/log_ppl_dense", "Mean over sequences of the dense policy's per-token negative log-likelihood"),
+    Metric("mismatch/log_ppl_diff", "`mismatch/log_ppl_sparse` - `mismatch/log_ppl_dense`"),
+    Metric("mismatch/low_xi_frac", "Share of response tokens with xi < 0.1 (the dense policy finds them 10x less likely)"),
+    Metric("mismatch/low_xi_pos_adv_frac", "The same share among tokens of positive-advantage sequences, where an "
+           "uncorrected update pushes hardest"),
+    # correction/
+    Metric("correction/kept_token_frac", "Share of response tokens that keep their place in the loss", CORRECTION),
+    Metric("correction/masked_low_frac", "Share of tokens masked for xi below `algo.correction.token_low`", CORRECTION),
+    Metric("correction/masked_high_frac", "Share of tokens masked for xi above `algo.correction.token_high`", CORRECTION),
+    Metric("correction/truncated_frac", "Share of tokens whose weight was capped at `algo.correction.is_cap`", CORRECTION),
+    Metric("correction/rejected_seq_frac", "Share of sequences rejected whole (veto or geometric-mean bounds)", CORRECTION),
+    Metric("correction/veto_seq_frac", "Share of sequences vetoed: some token's xi below `algo.correction.veto`", CORRECTION),
+    Metric("correction/geo_rejected_seq_frac", "Share of sequences whose geometric-mean xi is outside "
+           "[`geo_low`, `geo_high`]", CORRECTION),
+    Metric("correction/weight_mean", "Mean importance weight of the kept tokens, after normalization", CORRECTION),
+    Metric("correction/weight_min", "Smallest weight of a kept token, after normalization", CORRECTION),
+    Metric("correction/weight_max", "Largest weight of a kept token, after normalization", CORRECTION),
+    Metric("correction/norm_factor", "The divisor of the batch normalization (`is_batch_normalize`; 1 when off)", CORRECTION),
+    Metric("correction/ess", "Effective sample size of the kept tokens' weights as a share of their number "
+           "((sum w)^2 / (n sum w^2); 1 = uniform)", CORRECTION),
+    # kv/
+    Metric("kv/retained_frac", "KV entries the samples held at their end / what a dense cache would hold (1 when dense)"),
+    Metric("kv/compressions", "KV compressions run (`rollout.kv.*`), all ranks"),
+    Metric("kv/compress_s", "Seconds spent compressing, summed over ranks"),
+    Metric("kv/peak_slots", "Most KV slots (per layer) in use at once in one engine, max over ranks"),
+    Metric("kv/peak_gb", "Those slots in GiB (all layers, K and V), max over ranks"),
+    Metric("kv/peak_running", "Most sequences decoding at once in one engine, max over ranks"),
+    Metric("kv/pool_size", "Slots of the SGLang engine's KV pool", "`rollout.engine=sglang` with KV compression"),
+    Metric("kv/pool_free_after", "Free slots once the rollout finished (equals `kv/pool_size`, or the run stops with a "
+           "leak error)", "`rollout.engine=sglang` with KV compression"),
+    Metric("kv/query_buffer_mb", "MiB of the ring of recent queries that R-KV / SnapKV score with",
+           "`rollout.engine=sglang` with KV compression"),
+    Metric("kv/host_syncs", "Host syncs of the KV bookkeeping", "`rollout.engine=sglang`, SGLang option kv_count_syncs"),
+    Metric("kv/decode_forwards", "Decode forwards those syncs were counted over", "`rollout.engine=sglang`, SGLang option kv_count_syncs"),
+    # rollout/
+    Metric("rollout/weight_bytes", "Bytes of the native engine's weights (smaller with `rollout.quantization`)",
+           "`rollout.engine=native`"),
+    Metric("rollout/weight_bytes_saved", "Bytes the quantization saves against unquantized weights in `rollout.dtype`",
+           "`rollout.engine=native`"),
+    Metric("rollout/kv_mismatch_kl", "KV compression's share of `mismatch/kl`: mean of logp_sparse - the engine's own "
+           "dense log-prob over the re-scored tokens", "`rollout.rescore_seqs > 0`"),
+    Metric("rollout/rescored_tokens", "Tokens re-scored densely for `rollout/kv_mismatch_kl`", "`rollout.rescore_seqs > 0`"),
+    # perf/
+    Metric("perf/step_s", "Seconds of the whole step on rank 0", SFT),
+    Metric("perf/<phase>_s", "Seconds rank 0 spent in the phase (phases below)", "the steps that run the phase"),
+    Metric("perf/rollout_tok_s", "Tokens generated per second: new tokens of all ranks / the slowest rank's rollout seconds"),
+    Metric("perf/train_tok_s", "Tokens trained on per second: the batch's tokens on all ranks / the slowest rank's "
+           "update seconds", SFT),
+    Metric("perf/dp_load_imbalance_before", "Most tokens on one data-parallel rank / the mean, before balancing",
+           "`actor.balance_ranks=true`, 2+ data-parallel ranks"),
+    Metric("perf/dp_load_imbalance", "The same after `actor.balance_ranks` moved sequences between ranks",
+           "`actor.balance_ranks=true`, 2+ data-parallel ranks"),
+    # mem/
+    Metric("mem/peak_gb", "Rank 0's peak memory so far in the run"),
+    Metric("mem/peak_gb_max_rank", "The largest `mem/peak_gb` of any data-parallel rank"),
+    Metric("mem/rss_gb", "Rank 0's resident memory at the end of the step"),
+    Metric("mem/<phase>_peak_gb", "Rank 0's peak memory during the phase", "the steps that run the phase"),
+    Metric("mem/<phase>_end_gb", "Rank 0's memory in use when the phase ended", "the steps that run the phase"),
+    # eval/
+    Metric("eval/time_s", "Seconds the evaluation took, all sets", "`trainer.eval_every > 0`"),
+    Metric("eval/<set>/prompts", "Prompts evaluated (`eval.limit` caps them)", "`trainer.eval_every > 0`"),
+    Metric("eval/<set>/avg@<n>", "Mean accuracy of one sample, n = `eval.n`", "`trainer.eval_every > 0`"),
+    Metric("eval/<set>/pass@<k>", "Unbiased pass@k: chance that one of k samples is correct, per k of `eval.k`",
+           "`trainer.eval_every > 0`"),
+    Metric("eval/<set>/maj@<n>", "Accuracy of the majority-voted answer of the n samples",
+           "`trainer.eval_every > 0`, an env with `extract_answer`"),
+    Metric("eval/<set>/response_len", "Mean response length in tokens", "`trainer.eval_every > 0`"),
+    Metric("eval/<set>/truncated_frac", "Share of samples cut at `eval.max_new_tokens`", "`trainer.eval_every > 0`"),
+    Metric("eval/<set>/kv_retained_frac", "KV entries held at the end / a dense cache's (1 when dense)",
+           "`trainer.eval_every > 0`"),
+    Metric("eval/<set>/kv_peak_tokens", "Mean over samples of the most KV entries (per layer) a sample held at once",
+           "`trainer.eval_every > 0`"),
+    Metric("eval/<set>/kv_peak_tokens_max", "The largest of those peaks", "`trainer.eval_every > 0`"),
+    Metric("eval/<set>/kv_peak_mib", "`kv_peak_tokens` in MiB (all layers, K and V)",
+           "`trainer.eval_every > 0`, an engine that reports its bytes per slot"),
+    # openreward/, tool/
+    Metric("openreward/<env>/samples", "Samples of the environment this step (`<env>`: Org/Name with `/` as `_`)",
+           "`env.openreward.envs` set"),
+    Metric("openreward/<env>/reward_mean", "Mean reward of those samples", "`env.openreward.envs` set"),
+    *(Metric(f"tool/{counter}_mean", f"Mean per sample of {what}", "`env.openreward.envs` set")
+      for counter, what in TOOL_COUNTERS.items()),
+)
+
+# Metric-shaped names in the code that never reach metrics.jsonl: what each becomes.
+INTERNAL: dict[str, str] = {
+    "openreward/<env>/count": "summed over ranks into `openreward/<env>/samples`",
+    "openreward/<env>/reward_sum": "summed over ranks into `openreward/<env>/reward_mean`",
+    "env/aborted_frac": "the rollout worker's per-rank summary (samples whose generation the engine aborted)",
+    "response/model_tokens_mean": "the rollout worker's per-rank summary (tokens the model wrote, without env observations)",
+    "perf/weight_sync_gb": "returned by `sync_weights` (GiB handed to the engine; benchmarks/host_memory.py prints it); "
+                           "the trainer logs the sync's time as `perf/weight_sync_s`",
+}
+
+PLACEHOLDERS: dict[str, str] = {
+    "<set>": r"[^/]+",  # an eval set's name (eval.datasets)
+    "<env>": r"[^/]+",  # an OpenReward environment, Org_Name
+    "<n>": r"\d+",
+    "<k>": r"\d+",
+    "<phase>": "|".join(PHASES),
+}
+
+
+def pattern(name: str) -> re.Pattern:
+    """The regular expression of a registry name: its placeholders as `PLACEHOLDERS` says, the rest literal."""
+    parts = re.split(r"(<[a-z]+>)", name)
+    return re.compile("".join(f"(?:{PLACEHOLDERS[p]})" if p in PLACEHOLDERS else re.escape(p) for p in parts))
+
+
+_COMPILED = [(m, pattern(m.name)) for m in METRICS]
+
+
+def find(key: str) -> Metric | None:
+    """The entry documenting the logged key `key` (an exact entry before a family), or None."""
+    for m, rx in _COMPILED:
+        if m.name == key:
+            return m
+    return next((m for m, rx in _COMPILED if rx.fullmatch(key)), None)
+
+
+def group_of(name: str) -> str:
+    return name.split("/", 1)[0]
