@@ -30,7 +30,7 @@ setup(
         # Tool-use environments (env.openreward.*): the OpenReward SDK (client and local server) and the
         # reasoning-gym tasks of envs/tool_use.py. Neither pulls torch.
         "envs": ["openreward>=0.1.167", "reasoning-gym>=0.1.25"],
-        # The SGLang adapter targets this release's weight-update and sampler APIs (sparserl/rollout/sglang).
+        # The SGLang adapter targets this release's weight-update and sampler APIs (sparserl/engines/sglang).
         "sglang": ["sglang==0.5.23"],
         "flash": ["flash-attn>=2.6"],
         "wandb": ["wandb"],
@@ -41,9 +41,9 @@ setup(
     # sets (data/train/, 7 MB) stay in the repository.
     package_data={"sparserl.report": ["viewer.js", "report.css"], "sparserl.data": ["eval/*.jsonl", "eval/README.md"],
                   "sparserl.configs": ["*.yaml", "preset/*.yaml"]},
-    # Loaded by SGLang in each of its processes: sparserl's sampler (sparserl/rollout/sglang/sampler.py) and the
+    # Loaded by SGLang in each of its processes: sparserl's sampler (sparserl/engines/sglang/sampler_plugin.py) and the
     # sparserl_kv attention backend (kv_backend.py). Nothing is imported unless SGLang loads its plugins, and
     # each acts only in engines sparserl starts with its environment flag.
-    entry_points={"sglang.srt.plugins": ["sparserl_sampler = sparserl.rollout.sglang.sampler:register",
-                                         "sparserl_kv = sparserl.rollout.sglang.kv_backend:register"]},
+    entry_points={"sglang.srt.plugins": ["sparserl_sampler = sparserl.engines.sglang.sampler_plugin:register",
+                                         "sparserl_kv = sparserl.engines.sglang.kv_backend:register"]},
 )

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine, print_table  # noqa: E402
-from sparserl.rollout.native.decode_cache import DecodeCache  # noqa: E402
+from sparserl.engines.native.decode_cache import DecodeCache  # noqa: E402
 
 
 def make_case(batch: int, heads: int, kv_heads: int, head_dim: int, length: int, dtype: torch.dtype, seed: int = 0):

@@ -50,8 +50,8 @@ def worker(args) -> None:
     from sparserl.actor.actor import Actor
     from sparserl.actor.hf import export_hf, load_model
     from sparserl.parallel import ParallelDims, init_distributed, teardown
-    from sparserl.rollout.native.engine import NativeEngine
-    from sparserl.rollout.weight_sync import sync_weights
+    from sparserl.engines.native.engine import NativeEngine
+    from sparserl.engines.weight_sync import sync_weights
     from sparserl.trainer.grpo import export_final
     from sparserl.utils.memory import release_free_memory, rss_bytes, tune_malloc
 

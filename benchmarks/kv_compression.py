@@ -40,9 +40,9 @@ from sparserl.actor.hf import load_model, load_tokenizer  # noqa: E402
 from sparserl.utils import precision  # noqa: E402
 from sparserl.actor.logprobs import PackedSeqs, packed_logprobs  # noqa: E402
 from sparserl.kv import KVPolicyConfig  # noqa: E402
-from sparserl.rollout.native.attention import use_packed_attention  # noqa: E402
-from sparserl.rollout.native.engine import NativeEngine  # noqa: E402
-from sparserl.rollout.types import GenerationRequest, SamplingParams  # noqa: E402
+from sparserl.model.attention import use_packed_attention  # noqa: E402
+from sparserl.engines.native.engine import NativeEngine  # noqa: E402
+from sparserl.engines.types import GenerationRequest, SamplingParams  # noqa: E402
 
 
 def run(model, tokenizer, prompts, kv, num_slots, new_tokens, max_num_seqs=256, engine_kind="native", dtype="float32"):
@@ -63,7 +63,7 @@ def run(model, tokenizer, prompts, kv, num_slots, new_tokens, max_num_seqs=256, 
 def start_sglang(model, tokenizer, kv, num_slots, max_num_seqs, dtype):
     import dataclasses
 
-    from sparserl.rollout.sglang.engine import SGLangEngine, SGLangOptions
+    from sparserl.engines.sglang.engine import SGLangEngine, SGLangOptions
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     options = SGLangOptions(device=device, dtype=dtype, attention_backend="torch_native" if device == "cpu" else None,

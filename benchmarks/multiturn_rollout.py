@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import gsm8k_prompts, machine, print_table  # noqa: E402
 from sparserl.kv import KVPolicyConfig  # noqa: E402
-from sparserl.rollout.native.engine import NativeEngine  # noqa: E402
-from sparserl.rollout.types import GenerationRequest, SamplingParams  # noqa: E402
+from sparserl.engines.native.engine import NativeEngine  # noqa: E402
+from sparserl.engines.types import GenerationRequest, SamplingParams  # noqa: E402
 from sparserl.utils import precision  # noqa: E402
 
 OBSERVATION = ("<|im_end|>\n<|im_start|>user\nThe tool returned: 42 apples, 17 oranges and 3 pears. Check the "

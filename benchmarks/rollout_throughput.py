@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import gsm8k_prompts, machine, print_table  # noqa: E402
 from sparserl.actor.hf import load_model, load_tokenizer, resolve_model_path  # noqa: E402
 from sparserl.utils import precision  # noqa: E402
-from sparserl.rollout.native.engine import NativeEngine  # noqa: E402
-from sparserl.rollout.types import GenerationRequest, SamplingParams  # noqa: E402
+from sparserl.engines.native.engine import NativeEngine  # noqa: E402
+from sparserl.engines.types import GenerationRequest, SamplingParams  # noqa: E402
 
 
 def hf_generate(model, tokenizer, prompts, new_tokens, ignore_eos):
@@ -109,7 +109,7 @@ def quantization_table(args, tokenizer) -> None:
 
 
 def start_sglang(model: str, dtype: str, max_batch: int, tokenizer):
-    from sparserl.rollout.sglang.engine import SGLangEngine, SGLangOptions
+    from sparserl.engines.sglang.engine import SGLangEngine, SGLangOptions
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # The native engine's pool size and batch limit, so both engines may run every sequence at once.

@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine, print_table  # noqa: E402
 from sparserl.actor.hf import load_model, load_tokenizer, resolve_model_path  # noqa: E402
 from sparserl.data.dataset import PromptRow  # noqa: E402
-from sparserl.rollout.native.engine import NativeEngine  # noqa: E402
+from sparserl.engines.native.engine import NativeEngine  # noqa: E402
 from sparserl.rollout.openreward.driver import ROW_KEY, OpenRewardEnvs  # noqa: E402
 from sparserl.rollout.openreward.serve import ThreadServer, environment_classes  # noqa: E402
 from sparserl.rollout.openreward.spec import EnvSpec  # noqa: E402
-from sparserl.rollout.types import SamplingParams  # noqa: E402
+from sparserl.engines.types import SamplingParams  # noqa: E402
 from sparserl.rollout.worker import rollout  # noqa: E402
 from sparserl.utils import precision  # noqa: E402
 

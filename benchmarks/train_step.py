@@ -121,8 +121,8 @@ def side_by_side(ours: list[dict], trl: list[dict]) -> None:
 
 def sample_rollout(model, tokenizer, args) -> list[tuple[list[int], int]]:
     """(prompt + response ids, prompt length) for every sampled sequence."""
-    from sparserl.rollout.native.engine import NativeEngine
-    from sparserl.rollout.types import GenerationRequest, SamplingParams
+    from sparserl.engines.native.engine import NativeEngine
+    from sparserl.engines.types import GenerationRequest, SamplingParams
 
     prompts = gsm8k_prompts(tokenizer, args.pack_prompts)
     slots = len(prompts) * args.pack_n * (max(map(len, prompts)) + args.pack_new_tokens)
@@ -166,7 +166,7 @@ def padded_pass(model, seqs, per_mb) -> tuple[int, int]:
 
 def packing_throughput(args) -> None:
     from sparserl.actor.hf import load_model, load_tokenizer
-    from sparserl.rollout.native.attention import use_packed_attention
+    from sparserl.model.attention import use_packed_attention
 
     tokenizer = load_tokenizer(args.model)
     dtype = precision.resolve_arg("auto")

@@ -18,7 +18,7 @@
 #     imports a few of its names without calling them for the dense models used here; the stand-in package
 #     scripts/sglang_cpu/stand_in/sgl_kernel is copied into the venv and raises, naming the kernel, if one is called.
 #  5. SGLANG_USE_CPU_ENGINE=1 (SGLang's switch for its CPU code paths) is set by sparserl's engine itself for
-#     device=cpu (sparserl/rollout/sglang/engine.py).
+#     device=cpu (sparserl/engines/sglang/engine.py).
 # Re-running is cheap: pip skips what is installed, the guard is idempotent, the stand-in is re-copied.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +48,7 @@ cp -r "$HARNESS/stand_in/sgl_kernel" "$SITE/sgl_kernel"
 # Smoke check: SGLang imports on the CPU path, the stand-in is the one found, sparserl's sampler plugin is registered.
 SGLANG_USE_CPU_ENGINE=1 "$PY" - <<'EOF'
 import torch, transformers, sglang, sgl_kernel
-from sparserl.rollout.sglang import KV_PLUGIN_VALUE, plugin_installed
+from sparserl.engines.sglang import KV_PLUGIN_VALUE, plugin_installed
 assert getattr(sgl_kernel, "IS_STAND_IN", False), sgl_kernel.__file__
 assert plugin_installed(), "sparserl's sglang.srt.plugins entry point is missing"
 assert plugin_installed(KV_PLUGIN_VALUE), "sparserl's sparserl_kv entry point is missing"

@@ -30,7 +30,7 @@ from sparserl.rollout.episode import EnvCalls, Sample, encode_text  # noqa: E402
 from sparserl.rollout.openreward.driver import ROW_KEY, OpenRewardEnvs  # noqa: E402
 from sparserl.rollout.openreward.serve import ThreadServer, environment_classes  # noqa: E402
 from sparserl.rollout.openreward.spec import EnvSpec  # noqa: E402
-from sparserl.rollout.types import Generation  # noqa: E402
+from sparserl.engines.types import Generation  # noqa: E402
 
 ENV_FILE = "envs/tool_use.py"
 ENV_NAME = "local/CalcArithmetic"

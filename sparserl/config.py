@@ -125,7 +125,7 @@ class RolloutConfig:
     release_weights: bool = True  # the native engine drops its weight copy while the actor trains (refilled by the sync)
     quantization: str = "none"  # none | int8 (weight-only) | w8a8 (int8 activations too; GPU) | fp8 (GPU): the sampler's linear layers
     quantize_lm_head: bool = False  # quantize the LM head too (embeddings and norms always stay in rollout.dtype)
-    decode_cache: str = "off"  # native engine: on | off | auto (= on for CPU engines): contiguous per-sequence K/V copies for decode attention (CPU: ~1.16x faster decode at batch 64, those entries held twice; rollout/native/decode_cache.py)
+    decode_cache: str = "off"  # native engine: on | off | auto (= on for CPU engines): contiguous per-sequence K/V copies for decode attention (CPU: ~1.16x faster decode at batch 64, those entries held twice; engines/native/decode_cache.py)
     rescore_seqs: int = 0  # measure-only: per engine and step, re-score this many sequences densely (rollout/kv_mismatch_kl)
     kv: KVConfig = field(default_factory=KVConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)

@@ -223,7 +223,7 @@ def _nccl_needs_cuda(cfg) -> None:
 
 
 def _quantization_device(cfg) -> None:
-    # parallel.device=auto is checked again where the device is known (rollout/native/quantize.py check_scheme).
+    # parallel.device=auto is checked again where the device is known (engines/native/quantize.py check_scheme).
     q = cfg.rollout.quantization
     if q in ("w8a8", "fp8") and cfg.parallel.device == "cpu":
         why = ("torch has no fast int8 x int8 matmul on CPU; use int8 (weight-only)" if q == "w8a8"

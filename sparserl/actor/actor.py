@@ -29,7 +29,7 @@ from sparserl.actor.parallelize import materialize, parallelize
 from sparserl.algo.aggregation import Normalizer
 from sparserl.data.packing import contiguous_minibatches, split_microbatches, split_shared_microbatches
 from sparserl.parallel import all_reduce_max, all_reduce_sum
-from sparserl.rollout.native.attention import use_packed_attention
+from sparserl.model.attention import use_packed_attention
 
 
 @dataclass
@@ -257,7 +257,7 @@ class FullState:
     """A model's state by name, each tensor gathered from its shards when the walk reaches it (one at a time).
 
     Iterating yields (name, full tensor) in the model's dtypes on every rank. `gather(dtype, keep)` is the same
-    walk for a consumer that knows more, such as `rollout.weight_sync.sync_weights`:
+    walk for a consumer that knows more, such as `engines.weight_sync.sync_weights`:
       - dtype: every floating tensor is cast to it shard by shard, before its all-gather (a bf16 engine: the
         collective moves half the bytes of fp32 and no full fp32 copy is made). Casting commutes with gathering,
         so the values are those the consumer would get by casting the full tensor.

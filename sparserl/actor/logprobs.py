@@ -1,7 +1,7 @@
 """Per-token log-probs (and entropy) of response tokens over one packed micro-batch.
 
 Sequences are concatenated into one `(1, L)` row with positions restarting at 0 per sequence; the
-attention function (rollout/native/attention.py, the same one the engine runs) keeps each sequence causal
+attention function (model/attention.py, the same one the engine runs) keeps each sequence causal
 and separate. Log-probs use the sampler's transform (`processed_logprobs`), so they are comparable with the
 engine's `logp_sparse`.
 
@@ -38,9 +38,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from sparserl.actor.vocab_parallel import VocabShard, copy_to_vocab_parallel, vocab_parallel_logprobs, vocab_shard
-from sparserl.rollout.native.attention import (ATTN_NAME, ForwardContext, Span, current_context, forward_context,
+from sparserl.model.attention import (ATTN_NAME, ForwardContext, Span, current_context, forward_context,
                                                use_packed_attention)
-from sparserl.rollout.sampling import processed_logprobs
+from sparserl.model.sampling import processed_logprobs
 
 HEAD_ATTR = "sparserl_logprob_head"
 SHARD_ATTR = "sparserl_vocab_shard"  # set on a vocabulary-split head by parallelize

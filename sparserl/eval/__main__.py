@@ -33,7 +33,7 @@ def run(cfg: Config) -> None:
     sets = load_eval_sets(cfg.eval)  # user errors surface here, before anything is written
     model = resolve_eval_model(cfg.model.path)
     if cfg.rollout.engine == "sglang":
-        from sparserl.rollout.sglang import check_config
+        from sparserl.engines.sglang import check_config
 
         check_config(cfg)
     S.kv_policy(cfg)

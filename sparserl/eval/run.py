@@ -21,7 +21,7 @@ from sparserl.config import Config
 from sparserl.data.dataset import format_prompt
 from sparserl.eval.datasets import EvalSet
 from sparserl.eval.metrics import SampleRecord, dataset_metrics
-from sparserl.rollout.types import SamplingParams
+from sparserl.engines.types import SamplingParams
 from sparserl.rollout.worker import Sample, rollout
 from sparserl.utils.errors import UserError
 from sparserl.utils.logging import progress

@@ -17,7 +17,7 @@ from typing import Any
 
 from sparserl.data.dataset import PromptRow
 from sparserl.rollout.episode import EnvCalls, Opening, Sample, encode_text, failure_status, row_extra
-from sparserl.rollout.types import Generation
+from sparserl.engines.types import Generation
 
 log = logging.getLogger("sparserl.rollout.worker")  # its warnings read as the env loop's
 

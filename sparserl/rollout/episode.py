@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sparserl.data.dataset import PromptRow
-from sparserl.rollout.types import Generation, KVStats
+from sparserl.engines.types import Generation, KVStats
 
 
 @dataclass

@@ -41,7 +41,7 @@ def train(cfg: Config) -> None:
     # The training stack, imported only once the inputs are known to be good (see the module docstring).
     from sparserl.actor import checkpoint
     from sparserl.eval.hook import TrainEval
-    from sparserl.rollout.weight_sync import sync_weights
+    from sparserl.engines.weight_sync import sync_weights
     from sparserl.rollout.worker import rollout
     from sparserl.trainer import setup as S
     from sparserl.trainer.faults import PREEMPTED_EXIT_CODE, Preemption, check_skips, injected_nan

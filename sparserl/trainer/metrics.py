@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sparserl.rollout.engine import EngineStats
+from sparserl.engines.protocol import EngineStats
 from sparserl.rollout.worker import Sample
 
 

@@ -36,7 +36,7 @@ class Inputs:
 
 def validate_inputs(cfg: Config) -> Inputs:
     if cfg.rollout.engine == "sglang":
-        from sparserl.rollout.sglang import check_config  # imports no sglang: it says when sglang is missing
+        from sparserl.engines.sglang import check_config  # imports no sglang: it says when sglang is missing
 
         check_config(cfg)
     check_output_dir(cfg.trainer.output_dir)

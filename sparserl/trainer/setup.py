@@ -20,11 +20,11 @@ from sparserl.actor.actor import Actor
 from sparserl.actor.hf import load_model, load_tokenizer
 from sparserl.config import Config, to_dict, to_yaml
 from sparserl.data.dataset import PromptRow, format_prompt
-from sparserl.data.sampler import MixtureSampler, PromptSampler
+from sparserl.data.prompt_sampler import MixtureSampler, PromptSampler
 from sparserl.kv import KVPolicyConfig
 from sparserl.parallel import DistInfo, ParallelDims, init_distributed
-from sparserl.rollout.engine import build_engine
-from sparserl.rollout.types import SamplingParams
+from sparserl.engines.protocol import build_engine
+from sparserl.engines.types import SamplingParams
 from sparserl.trainer.preflight import Inputs, validate_inputs
 from sparserl.utils.errors import UserError, one_line
 from sparserl.utils import precision

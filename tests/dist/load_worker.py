@@ -20,7 +20,7 @@ import transformers
 from sparserl.actor.actor import Actor, TrainBatch
 from sparserl.algo.loss import LossConfig
 from sparserl.parallel import ParallelDims, init_distributed, teardown
-from sparserl.rollout.weight_sync import sync_weights
+from sparserl.engines.weight_sync import sync_weights
 from sparserl.trainer.batch import make_loss_fn
 
 PAD = 3  # the checkpoints' pad_token_id
@@ -126,7 +126,7 @@ def main() -> None:
 
 
 def export_and_sync(actor: Actor, folder: Path, rank: int) -> dict:
-    from sparserl.rollout.native.engine import NativeEngine
+    from sparserl.engines.native.engine import NativeEngine
     from sparserl.trainer.grpo import export_final
 
     cfg = SimpleNamespace(trainer=SimpleNamespace(output_dir=str(folder)))

@@ -38,7 +38,7 @@ def tiny_dirs(tmp_path_factory, tokenizer):
 
 
 def host_options(**changes):
-    from sparserl.rollout.sglang.engine import SGLangOptions
+    from sparserl.engines.sglang.engine import SGLangOptions
 
     base = dict(device="cpu", dtype="float32", attention_backend="torch_native", max_total_tokens=8192,
                 max_running_requests=64, chunked_prefill_size=4096, log_level="error")

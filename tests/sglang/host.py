@@ -125,8 +125,8 @@ class EngineHost:
 def _serve(address: str, authkey_hex: str, model_dir: str, options_json: str, seed: int) -> None:
     from transformers import AutoTokenizer
 
-    from sparserl.rollout.sglang.engine import SGLangEngine, SGLangOptions
-    from sparserl.rollout.weight_sync import sync_weights
+    from sparserl.engines.sglang.engine import SGLangEngine, SGLangOptions
+    from sparserl.engines.weight_sync import sync_weights
 
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(authkey_hex))
     t0 = time.perf_counter()

@@ -1,8 +1,8 @@
 """The seeded draw of the SGLang sampler (pure tensor code; runs without sglang)."""
 import torch
 
-from sparserl.rollout.sampling import processed_logprobs
-from sparserl.rollout.sglang.draw import RowSettings, _fmix32, _mul32, row_keys, sample, uniform
+from sparserl.model.sampling import processed_logprobs
+from sparserl.engines.sglang.draw import RowSettings, _fmix32, _mul32, row_keys, sample, uniform
 from sparserl.utils.host_syncs import HostSyncs
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, -3.0]])

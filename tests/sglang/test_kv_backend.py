@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from sparserl.kv import KVPolicyConfig
-from sparserl.rollout.native.engine import NativeEngine
-from sparserl.rollout.types import GenerationRequest, SamplingParams
+from sparserl.engines.native.engine import NativeEngine
+from sparserl.engines.types import GenerationRequest, SamplingParams
 from tests.sglang.conftest import build_tiny, host_options
 from tests.sglang.host import HAVE_SGLANG, SKIP_REASON, EngineHost
 

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 from sparserl.kv import KVPolicyConfig
-from sparserl.rollout.types import GenerationRequest, SamplingParams
+from sparserl.engines.types import GenerationRequest, SamplingParams
 from tests.sglang.conftest import host_options
 from tests.sglang.host import HAVE_SGLANG, SKIP_REASON, EngineHost
 

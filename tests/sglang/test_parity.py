@@ -3,9 +3,9 @@ the sampler's log-probs against the dense full-sequence log-softmax under the sa
 import pytest
 import torch
 
-from sparserl.rollout.native.engine import NativeEngine
-from sparserl.rollout.sampling import processed_logprobs
-from sparserl.rollout.types import GenerationRequest, SamplingParams
+from sparserl.engines.native.engine import NativeEngine
+from sparserl.model.sampling import processed_logprobs
+from sparserl.engines.types import GenerationRequest, SamplingParams
 from tests.sglang.conftest import FAMILIES, build_tiny
 from tests.sglang.host import HAVE_SGLANG, SKIP_REASON
 

@@ -1,7 +1,7 @@
 """Sampling behaviour of the SGLang engine: seeds, batch independence, stop tokens and strings, EOS."""
 import pytest
 
-from sparserl.rollout.types import GenerationRequest, SamplingParams
+from sparserl.engines.types import GenerationRequest, SamplingParams
 from tests.sglang.conftest import build_tiny
 from tests.sglang.test_parity import PROMPTS, requests
 from tests.sglang.host import HAVE_SGLANG, SKIP_REASON, HostError

@@ -30,8 +30,8 @@ def _free_the_machine():
 
 
 def test_a_peer_engine_does_not_generate(tiny_checkpoint):
-    from sparserl.rollout.sglang.engine import SGLangEngine, SGLangOptions, TPGroup
-    from sparserl.rollout.types import GenerationRequest, SamplingParams
+    from sparserl.engines.sglang.engine import SGLangEngine, SGLangOptions, TPGroup
+    from sparserl.engines.types import GenerationRequest, SamplingParams
 
     peer = SGLangEngine(str(tiny_checkpoint), SGLangOptions(device="cpu"), group=TPGroup.of_rank(1, 2))
     assert peer._engine is None  # no SGLang start on a peer

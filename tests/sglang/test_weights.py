@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from sparserl.rollout.types import SamplingParams
+from sparserl.engines.types import SamplingParams
 from tests.sglang.conftest import FAMILIES, build_tiny
 from tests.sglang.test_parity import PROMPTS, requests
 from tests.sglang.host import HAVE_SGLANG, SKIP_REASON, HostError

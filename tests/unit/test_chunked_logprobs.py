@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from sparserl.actor.logprobs import PackedSeqs, chunk_rows, packed_logprobs
-from sparserl.rollout.sampling import processed_logprobs
+from sparserl.model.sampling import processed_logprobs
 from tests.conftest import tiny_model
 
 

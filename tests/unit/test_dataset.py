@@ -7,7 +7,7 @@ import os
 import pytest
 
 from sparserl.data.dataset import PromptRow, answer_to_str, format_prompt, load_prompts
-from sparserl.data.sampler import PromptSampler
+from sparserl.data.prompt_sampler import PromptSampler
 from tests.conftest import data_file
 
 # file -> (prompt_key, answer_key, answer_extract, rows, answer of row 0)

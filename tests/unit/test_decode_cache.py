@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from sparserl.kv import KVPolicyConfig
-from sparserl.rollout.native.decode_cache import resolve_decode_cache
-from sparserl.rollout.native.engine import NativeEngine
-from sparserl.rollout.types import GenerationRequest, SamplingParams
+from sparserl.engines.native.decode_cache import resolve_decode_cache
+from sparserl.engines.native.engine import NativeEngine
+from sparserl.engines.types import GenerationRequest, SamplingParams
 from tests.conftest import tiny_model
 
 PROMPTS = [[1, 5, 7, 9, 3], [2, 8], [4, 4, 4, 4, 4, 4, 4, 4, 4, 10, 11, 12, 13], [6], [9, 8, 7, 6, 5, 4, 3],

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from sparserl.kv import KVPolicyConfig
-from sparserl.rollout.native.engine import NativeEngine
-from sparserl.rollout.types import GenerationRequest, SamplingParams
+from sparserl.engines.native.engine import NativeEngine
+from sparserl.engines.types import GenerationRequest, SamplingParams
 from tests.conftest import tiny_model
 
 POLICIES = ["rkv", "snapkv", "streaming"]

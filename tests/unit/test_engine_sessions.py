@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from sparserl.kv import KVPolicyConfig
-from sparserl.rollout.engine import supports_sessions
-from sparserl.rollout.native.engine import NativeEngine
-from sparserl.rollout.native.sequence import Sequence
-from sparserl.rollout.native.sessions import Session, choose_victims
-from sparserl.rollout.types import GenerationRequest, SamplingParams
+from sparserl.engines.protocol import supports_sessions
+from sparserl.engines.native.engine import NativeEngine
+from sparserl.engines.native.sequence import Sequence
+from sparserl.engines.native.sessions import Session, choose_victims
+from sparserl.engines.types import GenerationRequest, SamplingParams
 from tests.conftest import tiny_model
 
 PROMPTS = [[1, 5, 7, 9, 3], [2, 8], [4, 4, 4, 4, 4, 4, 4, 4, 4, 10, 11, 12, 13]]
@@ -257,7 +257,7 @@ def test_eviction_order_is_idle_lru_then_the_back_of_the_queue():
 
 
 def test_sglang_backend_declares_no_sessions():
-    from sparserl.rollout.sglang.engine import SGLangEngine
+    from sparserl.engines.sglang.engine import SGLangEngine
 
     assert SGLangEngine.supports_sessions is False
     assert not supports_sessions(object())  # engines that predate the flag re-prefill

@@ -13,9 +13,9 @@ import torch
 from sparserl.config import load_config
 from sparserl.kv import POLICIES, REFERENCE_POLICIES, KVPolicyConfig, register_policy, score_tokens, select_keep
 from sparserl.kv.rkv import rkv_redundancy, rkv_reference_redundancy
-from sparserl.rollout.native.engine import NativeEngine
-from sparserl.rollout.sglang.kv_compactor import KVCompactor
-from sparserl.rollout.types import GenerationRequest, SamplingParams
+from sparserl.engines.native.engine import NativeEngine
+from sparserl.engines.sglang.kv_compactor import KVCompactor
+from sparserl.engines.types import GenerationRequest, SamplingParams
 from sparserl.trainer.setup import kv_policy
 from tests.conftest import tiny_model
 

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from sparserl.rollout.engine import build_engine
-from sparserl.rollout.native.engine import NativeEngine
-from sparserl.rollout.sampling import processed_logprobs
-from sparserl.rollout.types import GenerationRequest, SamplingParams
+from sparserl.engines.protocol import build_engine
+from sparserl.engines.native.engine import NativeEngine
+from sparserl.model.sampling import processed_logprobs
+from sparserl.engines.types import GenerationRequest, SamplingParams
 from tests.conftest import tiny_model
 
 PROMPTS = [[1, 5, 7, 9, 3], [2, 8], [4, 4, 4, 4, 4, 4, 4, 4, 4, 10, 11, 12, 13], [6], [9, 8, 7, 6, 5, 4, 3]]

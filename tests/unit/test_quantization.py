@@ -6,10 +6,10 @@ import torch
 
 from sparserl.config import load_config
 from sparserl.kv import KVPolicyConfig
-from sparserl.rollout.native.engine import NativeEngine
-from sparserl.rollout.native.quantize import QuantLinear, check_scheme, quantize_int8
-from sparserl.rollout.sampling import processed_logprobs
-from sparserl.rollout.types import GenerationRequest, SamplingParams
+from sparserl.engines.native.engine import NativeEngine
+from sparserl.engines.native.quantize import QuantLinear, check_scheme, quantize_int8
+from sparserl.model.sampling import processed_logprobs
+from sparserl.engines.types import GenerationRequest, SamplingParams
 from sparserl.utils.errors import UserError
 from tests.conftest import tiny_config, tiny_model
 

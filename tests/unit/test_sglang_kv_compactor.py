@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from sparserl.kv import CompressionSchedule, KVPolicyConfig, score_tokens, select_keep
-from sparserl.rollout.sglang.kv_compactor import KVCompactor
-from sparserl.rollout.sglang.kv_records import kv_stats, pool_counters
+from sparserl.engines.sglang.kv_compactor import KVCompactor
+from sparserl.engines.sglang.kv_records import kv_stats, pool_counters
 
 LAYERS, H_KV, H_Q, D = 2, 2, 4, 8
 
@@ -113,7 +113,7 @@ def test_records_give_the_generation_kv_stats():
 
 
 def test_compressing_engine_runs_the_backend_without_radix_cache_or_overlap():
-    from sparserl.rollout.sglang.options import SGLangOptions
+    from sparserl.engines.sglang.options import SGLangOptions
 
     dense = SGLangOptions().server_args("m", 0)
     assert dense["attention_backend"] == "torch_native" and "disable_radix_cache" not in dense

@@ -124,7 +124,7 @@ def test_config_keys_of_openreward():
 
 
 def test_env_weights_set_the_mix_of_every_batch():
-    from sparserl.data.sampler import MixtureSampler
+    from sparserl.data.prompt_sampler import MixtureSampler
 
     # 10 calculator rows (0-9) and 4 game rows (10-13), weights 2:1, 6 prompts per step over 2 ranks: every step
     # takes 6 * 2/3 = 4 calculator rows and 2 game rows, and the two ranks split the same global batch.

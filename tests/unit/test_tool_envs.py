@@ -22,7 +22,7 @@ from sparserl.rollout.openreward.serve import ThreadServer, environment_classes
 from sparserl.rollout.openreward.spec import EnvSpec
 from sparserl.rollout.tool_chat import ToolChat, ToolResult
 from sparserl.rollout.tool_parsers import get_parser
-from sparserl.rollout.types import Generation, SamplingParams
+from sparserl.engines.types import Generation, SamplingParams
 from sparserl.rollout.worker import Sample, _EnvCalls, encode_text, rollout
 
 CalcArithmetic, GuessNumber = environment_classes("envs/tool_use.py")
@@ -239,7 +239,7 @@ def test_16_sessions_with_the_native_engine_mask_exactly_the_model_tokens(server
     calls the unknown `calc`, reads the error and answers 42 (no terminal tool: reward 0). The token stream is
     the chat template's rendering of that conversation, and the loss mask is 1 on the model's own tokens only.
     The engine keeps each trajectory's KV between its turns (engine sessions)."""
-    from sparserl.rollout.native.engine import NativeEngine
+    from sparserl.engines.native.engine import NativeEngine
 
     tok, model = tool_model
     envs = _envs(server.url, [_spec("local/CalcArithmetic"), _spec("local/GuessNumber")])
@@ -335,7 +335,7 @@ def test_faults_end_only_their_samples(server, tool_model, caplog):
     timeout) and an env server that goes away mid-run (its samples: error or timeout) end only their own
     samples; the other calculator tasks finish both turns, every session on the live server is closed, and
     the rollout returns in bounded time with the counts in its metrics."""
-    from sparserl.rollout.native.engine import NativeEngine
+    from sparserl.engines.native.engine import NativeEngine
 
     tok, model = tool_model
     doomed = ThreadServer([CalcArithmetic])

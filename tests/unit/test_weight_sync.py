@@ -6,8 +6,8 @@ is tests/dist/test_load_rank0.py).
 import torch
 
 from sparserl.actor.actor import FullState
-from sparserl.rollout.native.engine import NativeEngine
-from sparserl.rollout.weight_sync import sync_weights
+from sparserl.engines.native.engine import NativeEngine
+from sparserl.engines.weight_sync import sync_weights
 from tests.conftest import tiny_model
 
 

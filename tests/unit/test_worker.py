@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sparserl.data.dataset import PromptRow, format_prompt
-from sparserl.rollout.types import Generation, GenerationRequest, KVStats, SamplingParams
+from sparserl.engines.types import Generation, GenerationRequest, KVStats, SamplingParams
 from sparserl.rollout.worker import rollout
 from sparserl.utils.envload import load_env
 
@@ -161,7 +161,7 @@ def test_multi_turn_masks_logps_and_groups(tmp_path, tokenizer, model):
 
 
 def test_multi_turn_with_native_engine(tmp_path, tokenizer, model):
-    native = pytest.importorskip("sparserl.rollout.native.engine", reason="the native engine is not importable yet")
+    native = pytest.importorskip("sparserl.engines.native.engine", reason="the native engine is not importable yet")
     env = _write_env(tmp_path, MULTI_TURN_ENV, "two_turns_native")
     rows, texts = _rows(tokenizer)
     engine = native.NativeEngine(model, tokenizer, num_slots=4096, seed=0)

@@ -38,7 +38,7 @@ from sparserl.rollout.openreward.rewards import episode_reward
 from sparserl.rollout.openreward.spec import EnvSpec
 from sparserl.rollout.tool_chat import ToolChat, ToolResult, tool_schema
 from sparserl.rollout.tool_parsers import MalformedCall, get_parser
-from sparserl.rollout.types import Generation
+from sparserl.engines.types import Generation
 from sparserl.rollout.episode import Opening, Sample, encode_text, failure_status
 
 os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")

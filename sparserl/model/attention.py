@@ -17,15 +17,20 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from sparserl.rollout.native.decode_cache import DecodeCache
-
 ATTN_NAME = "sparserl"
+
+
+class DecodeAttention(Protocol):
+    """Decode attention over an engine's own copy of the decoding sequences' K/V (the native engine's
+    `DecodeCache`): the rows' queries `q` of `layer` -> their attention outputs, the pool passed for the new entries."""
+
+    def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scaling: float | None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -47,7 +52,7 @@ class ForwardContext:
     n_decode: int = 0
     decode_slots: torch.Tensor | None = None  # (Bd, Lmax) long
     decode_bias: torch.Tensor | None = None  # (Bd, 1, 1, Lmax) float32: 0 where valid, -inf on padding
-    decode_cache: "DecodeCache | None" = None  # instead of the two above: contiguous copies (decode_cache.py)
+    decode_cache: DecodeAttention | None = None  # instead of the two above: contiguous copies (engines/native/decode_cache.py)
     write_slots: torch.Tensor | None = None  # (T,) long
     k_cache: list[torch.Tensor] | None = None  # per layer (S, H_kv, D)
     v_cache: list[torch.Tensor] | None = None

@@ -1,6 +1,6 @@
 """The SGLang rollout backend (`rollout.engine=sglang`): an in-process `sglang.Engine` per tensor-parallel group.
 
-- `engine.py`: the adapter behind the engine contract of `rollout/engine.py` (registered as "sglang").
+- `engine.py`: the adapter behind the engine contract of `engines/protocol.py` (registered as "sglang").
 - `sampler.py`: the sampler SGLang runs in its scheduler process, so that `logp_sparse` is the processed
   distribution's log-prob and draws are seeded per sequence (loaded by SGLang through an entry point).
 - `draw.py`: the seeded draw itself, pure tensor code.
@@ -19,8 +19,8 @@ from sparserl.utils.errors import UserError
 
 INSTALL_HINT = 'pip install -e ".[sglang]" on a GPU machine, or bash scripts/install_sglang_cpu.sh for the CPU test venv'
 PLUGIN_GROUP = "sglang.srt.plugins"
-PLUGIN_VALUE = "sparserl.rollout.sglang.sampler:register"
-KV_PLUGIN_VALUE = "sparserl.rollout.sglang.kv_backend:register"
+PLUGIN_VALUE = "sparserl.engines.sglang.sampler_plugin:register"
+KV_PLUGIN_VALUE = "sparserl.engines.sglang.kv_backend:register"
 SAMPLER_ENV_FLAG = "SPARSERL_SGLANG_SAMPLER"  # set for SGLang processes that must run sparserl's sampler
 KV_ENV = "SPARSERL_SGLANG_KV"  # JSON policy / base backend for SGLang processes that compress (kv_backend.ENV)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparserl.rollout.types import KVStats
+from sparserl.engines.types import KVStats
 
 RECORD_KEY = "sparserl_kv"  # kv_backend.RECORD_KEY (that module imports sglang)
 

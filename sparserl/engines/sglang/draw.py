@@ -9,7 +9,7 @@ length falls back after every compaction, and noise keyed by it would come back 
 each token correlated with an earlier one of the same sequence (`kv_backend.py` hands the sampler the
 logical positions). The draw is the exponential race over `processed_logprobs` (argmax of logp - log E,
 E ~ Exp(1)), which samples exactly from the processed distribution, and the reported log-prob is read from
-that same distribution: the contract of `rollout/types.py::SamplingParams`, computed by the same function
+that same distribution: the contract of `engines/types.py::SamplingParams`, computed by the same function
 the actor uses.
 
 No device-to-host synchronization: the per-row settings come from the host (`RowSettings.from_rows`, built
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparserl.rollout.sampling import processed_logprobs
+from sparserl.model.sampling import processed_logprobs
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B1  # odd: v -> v * _GOLDEN mod 2**32 is a bijection, spreading the vocabulary index

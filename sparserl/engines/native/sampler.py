@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from sparserl.rollout.native.sequence import Sequence
-from sparserl.rollout.sampling import processed_logprobs
+from sparserl.engines.native.sequence import Sequence
+from sparserl.model.sampling import processed_logprobs
 
 
 class Sampler:

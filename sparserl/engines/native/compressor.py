@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from sparserl.kv import CompressionSchedule, KVPolicyConfig, NewlineTokens, reduce_scores, score_tokens, select_keep
-from sparserl.rollout.native.scheduler import ScheduledBatch, Scheduler
-from sparserl.rollout.native.sequence import Sequence
+from sparserl.engines.native.scheduler import ScheduledBatch, Scheduler
+from sparserl.engines.native.sequence import Sequence
 
 
 @dataclass

@@ -18,8 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from sparserl.rollout.native.sequence import Sequence, Status
-from sparserl.rollout.native.slot_pool import SlotPool
+from sparserl.engines.native.sequence import Sequence, Status
+from sparserl.engines.native.slot_pool import SlotPool
 
 
 @dataclass

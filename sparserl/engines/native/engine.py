@@ -28,17 +28,17 @@ from typing import Callable, Hashable, Iterable
 import torch
 
 from sparserl.kv import KVPolicyConfig
-from sparserl.rollout.engine import EngineStats, register_engine
-from sparserl.rollout.native import rescore
-from sparserl.rollout.native.compressor import Compressor
-from sparserl.rollout.native.decode_cache import resolve_decode_cache
-from sparserl.rollout.native.runner import ModelRunner
-from sparserl.rollout.native.sampler import Sampler
-from sparserl.rollout.native.scheduler import ScheduledBatch, Scheduler
-from sparserl.rollout.native.sequence import Sequence, Status
-from sparserl.rollout.native.sessions import SessionTable, check_extends, choose_victims, session_keys
-from sparserl.rollout.native.slot_pool import SlotPool
-from sparserl.rollout.types import Generation, GenerationRequest, KVStats
+from sparserl.engines.protocol import EngineStats, register_engine
+from sparserl.engines.native import rescore
+from sparserl.engines.native.compressor import Compressor
+from sparserl.engines.native.decode_cache import resolve_decode_cache
+from sparserl.engines.native.runner import ModelRunner
+from sparserl.engines.native.sampler import Sampler
+from sparserl.engines.native.scheduler import ScheduledBatch, Scheduler
+from sparserl.engines.native.sequence import Sequence, Status
+from sparserl.engines.native.sessions import SessionTable, check_extends, choose_victims, session_keys
+from sparserl.engines.native.slot_pool import SlotPool
+from sparserl.engines.types import Generation, GenerationRequest, KVStats
 
 
 @dataclass
@@ -55,7 +55,7 @@ class StepTrace:
 
 class NativeEngine:
     supports_sessions = True
-    receives_weights = True  # the engine lives in this process (rollout/weight_sync.py)
+    receives_weights = True  # the engine lives in this process (engines/weight_sync.py)
 
     def __init__(
         self,

@@ -5,7 +5,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
-from sparserl.rollout.types import SamplingParams
+from sparserl.engines.types import SamplingParams
 
 
 class Status(enum.Enum):

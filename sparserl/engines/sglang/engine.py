@@ -1,4 +1,4 @@
-"""The SGLang rollout engine: an in-process `sglang.Engine` behind the contract of `rollout/engine.py`.
+"""The SGLang rollout engine: an in-process `sglang.Engine` behind the contract of `engines/protocol.py`.
 
 One `sglang.Engine` per tensor-parallel group, started by the group's first rank with `tp_size=parallel.tp`;
 the group's other ranks take part in weight sync (they gather like everyone, then drop the tensors) and do not
@@ -43,12 +43,12 @@ from typing import Any, Callable, Hashable, Iterable
 
 import torch
 
-from sparserl.rollout.engine import EngineStats, register_engine
-from sparserl.rollout.sglang import KV_ENV, SAMPLER_ENV_FLAG
-from sparserl.rollout.sglang.kv_records import RECORD_KEY, PoolCounters, drawn_positions, kv_stats, pool_counters
-from sparserl.rollout.sglang.options import SGLangOptions, options_from_config  # noqa: F401 (re-exported)
-from sparserl.rollout.types import Generation, GenerationRequest, KVStats, SamplingParams
-from sparserl.rollout.weight_sync import buckets
+from sparserl.engines.protocol import EngineStats, register_engine
+from sparserl.engines.sglang import KV_ENV, SAMPLER_ENV_FLAG
+from sparserl.engines.sglang.kv_records import RECORD_KEY, PoolCounters, drawn_positions, kv_stats, pool_counters
+from sparserl.engines.sglang.options import SGLangOptions, options_from_config  # noqa: F401 (re-exported)
+from sparserl.engines.types import Generation, GenerationRequest, KVStats, SamplingParams
+from sparserl.engines.weight_sync import buckets
 
 MEMORY_TAGS = ("kv_cache", "cuda_graph", "weights")  # sglang.srt.constants.GPU_MEMORY_ALL_TYPES
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -215,7 +215,7 @@ class SGLangEngine:
         return out
 
     async def _generate_all(self, samples: list[_Sample], progress) -> list[dict]:
-        from sparserl.rollout.sglang.sampler import SamplingTicket
+        from sparserl.engines.sglang.sampler_plugin import SamplingTicket
 
         ticket = SamplingTicket.to_str()
 
@@ -229,7 +229,7 @@ class SGLangEngine:
         return await asyncio.gather(*(one(s) for s in samples))
 
     def _sglang_params(self, s: _Sample) -> dict[str, Any]:
-        from sparserl.rollout.sglang.sampler import PARAM_KEY
+        from sparserl.engines.sglang.sampler_plugin import PARAM_KEY
 
         p = s.params
         stop_ids = set(p.stop_token_ids)

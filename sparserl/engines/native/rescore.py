@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from sparserl.rollout.native.attention import ForwardContext, Span, forward_context
-from sparserl.rollout.native.sequence import Sequence
-from sparserl.rollout.sampling import processed_logprobs
+from sparserl.model.attention import ForwardContext, Span, forward_context
+from sparserl.engines.native.sequence import Sequence
+from sparserl.model.sampling import processed_logprobs
 
 CHUNK_ROWS = 256  # LM-head rows at a time: bounds the (rows, V) float32 logits of a long response
 

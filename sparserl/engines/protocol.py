@@ -1,7 +1,7 @@
 """The rollout engine protocol and a factory by name.
 
 An engine turns `GenerationRequest`s into `Generation`s, takes fresh weights from the actor, and can give
-its memory back while the actor trains. Engines agree only on `rollout/types.py`.
+its memory back while the actor trains. Engines agree only on `engines/types.py`.
 
 Multi-turn sessions are optional: an engine with `supports_sessions = True` (native) keeps a trajectory's
 KV cache between turns and prefills only the new tokens; one without (SGLang, which re-prefills and lets its
@@ -16,7 +16,7 @@ from typing import Any, Callable, Hashable, Iterable, Protocol, runtime_checkabl
 
 import torch
 
-from sparserl.rollout.types import Generation, GenerationRequest
+from sparserl.engines.types import Generation, GenerationRequest
 
 
 @dataclass
@@ -93,9 +93,9 @@ def register_engine(name: str) -> Callable[[Callable[..., RolloutEngine]], Calla
 def _load_builtin(name: str) -> None:
     # Backends import lazily so that, e.g., the CPU install never imports sglang.
     if name == "native":
-        import sparserl.rollout.native.engine  # noqa: F401
+        import sparserl.engines.native.engine  # noqa: F401
     elif name == "sglang":
-        import sparserl.rollout.sglang.engine  # noqa: F401
+        import sparserl.engines.sglang.engine  # noqa: F401
 
 
 def build_engine(name: str, **kwargs: Any) -> RolloutEngine:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from sparserl.rollout.native.attention import ForwardContext, Span, forward_context, use_packed_attention
-from sparserl.rollout.native.decode_cache import DecodeCache
-from sparserl.rollout.native.quantize import QuantizedWeights, quantize_model, weights_nbytes
-from sparserl.rollout.native.scheduler import ScheduledBatch
-from sparserl.rollout.native.sequence import Sequence
+from sparserl.model.attention import ForwardContext, Span, forward_context, use_packed_attention
+from sparserl.engines.native.decode_cache import DecodeCache
+from sparserl.engines.native.quantize import QuantizedWeights, quantize_model, weights_nbytes
+from sparserl.engines.native.scheduler import ScheduledBatch
+from sparserl.engines.native.sequence import Sequence
 
 
 def kv_geometry(config) -> tuple[int, int, int]:

@@ -55,8 +55,8 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sparserl.kv import KVPolicyConfig, NewlineTokens
 from sparserl.kv.schedule import CompressionSchedule
-from sparserl.rollout.sglang.kv_compactor import KVCompactor
-from sparserl.rollout.sglang.sampler import DRAWN_POSITIONS, LOGICAL_POSITIONS
+from sparserl.engines.sglang.kv_compactor import KVCompactor
+from sparserl.engines.sglang.sampler_plugin import DRAWN_POSITIONS, LOGICAL_POSITIONS
 from sparserl.utils.host_syncs import HostSyncs
 
 BACKEND_NAME = "sparserl_kv"
