@@ -17,6 +17,8 @@ from typing import Iterator
 
 import numpy as np
 
+from sparserl.utils.seed import derive
+
 
 @dataclass(frozen=True)
 class StepBatch:
@@ -109,7 +111,7 @@ class MixtureSampler:
         self.outer = PromptSampler(sum(sizes), prompts_per_step, dp_rank, dp_size, seed, shuffle)  # checks the split
         self.sizes, self.weights = list(sizes), [float(w) for w in weights]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        self.sources = [PromptSampler(n, 1, 0, 1, seed * 1_000_003 + i, shuffle) for i, n in enumerate(sizes)]
+        self.sources = [PromptSampler(n, 1, 0, 1, derive(seed, (i, 1)), shuffle) for i, n in enumerate(sizes)]
         self.carry = [0.0] * len(sizes)
         self.step = 0
 

@@ -1,7 +1,8 @@
 """The rollout engine protocol and a factory by name.
 
 An engine turns `GenerationRequest`s into `Generation`s, takes fresh weights from the actor, and can give
-its memory back while the actor trains. Engines agree only on `engines/types.py`.
+its memory back while the actor trains. Engines agree only on `engines/types.py`; each is built from its own
+options dataclass (the trainer's setup maps the run's config onto it), never from the run's `Config`.
 
 Multi-turn sessions are optional: an engine with `supports_sessions = True` (native) keeps a trajectory's
 KV cache between turns and prefills only the new tokens; one without (SGLang, which re-prefills and lets its
@@ -72,6 +73,14 @@ class RolloutEngine(Protocol):
     def end_sessions(self, session_ids: Iterable[Hashable] | None = None) -> int:
         """Release the KV held for these session keys (None: every session); unknown keys are ignored.
         Returns how many were held. A no-op returning 0 where sessions are not supported."""
+
+    def set_seed(self, seed: int) -> None:
+        """The base of every sample's stream from now on (requests whose `params.seed` is set keep theirs):
+        sample j of the request at seed index i draws from `utils.seed.sample_seed(seed, i, j)` in every engine."""
+
+    def close(self) -> None:
+        """Give back everything the engine holds (memory, threads, subprocesses); the engine is unusable after.
+        Safe to call twice."""
 
 
 def supports_sessions(engine: Any) -> bool:

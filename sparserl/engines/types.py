@@ -125,3 +125,15 @@ class Generation:
     text: str | None = None
     kv: KVStats = field(default_factory=KVStats)
     session_id: Hashable | None = None  # the key the engine holds this sample's KV under; None when not held
+
+
+def eos_ids(*sources) -> frozenset[int]:
+    """The union of the EOS ids named by `sources` (each an int, a list of ints, or None): every engine's default
+    stop set, from the model's generation config, its config and the tokenizer, in that order."""
+    ids: set[int] = set()
+    for source in sources:
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(x) for x in source)
+    return frozenset(ids)

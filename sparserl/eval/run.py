@@ -25,6 +25,7 @@ from sparserl.engines.types import SamplingParams
 from sparserl.rollout.worker import Sample, rollout
 from sparserl.utils.errors import UserError
 from sparserl.utils.logging import progress
+from sparserl.utils.seed import derive
 
 
 @dataclass
@@ -46,7 +47,7 @@ class _Progress:
 
 def set_seed(seed: int, name: str) -> int:
     """`SamplingParams.seed` of a set: stable across processes and Python runs (no `hash()`)."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31)
+    return derive(seed, (zlib.crc32(name.encode()), 1), modulus=2**31)
 
 
 def sampling_params(cfg: Config, name: str) -> SamplingParams:

@@ -53,6 +53,7 @@ from sparserl.rollout.env_module import ModuleDriver
 from sparserl.rollout.episode import (EnvCalls, EnvDriver, EnvTimeout, Opening, Sample, encode_text,  # noqa: F401
                                       failure_status, row_extra)
 from sparserl.engines.types import Generation, GenerationRequest, SamplingParams
+from sparserl.utils.seed import turn_seed
 
 _EnvCalls = EnvCalls  # the name tests and older callers use
 
@@ -116,7 +117,7 @@ def _continue_request(live: _Live, i: int, params: SamplingParams, turn: int, ma
         budget = min(budget, max_total_tokens - len(s.prompt_ids) - len(s.response_ids))
     # Distinct seeds per trajectory and turn, still reproducible from the run's seed; with a seed index the
     # trajectory's own key replaces its position among this turn's survivors.
-    seed = None if params.seed is None else params.seed + 1_000_003 * turn + (i if seed_index is None else 0)
+    seed = None if params.seed is None else turn_seed(params.seed, turn, i if seed_index is None else 0)
     # The engine continues the trajectory's held KV (if it kept it) and keeps it again unless this is the last turn.
     keep = live.session is not None and turn < live.max_turns
     return GenerationRequest(s.prompt_ids + s.response_ids, params.replace(n=1, max_new_tokens=budget, seed=seed), request_id=i,

@@ -52,7 +52,7 @@ def train(cfg: Config) -> None:
     from sparserl.utils.logging import log0, progress
     from sparserl.utils.memory import PhasePeaks, release_free_memory
     from sparserl.utils.errors import RunStopped
-    from sparserl.utils.seed import seed_step, set_seed
+    from sparserl.utils.seed import seed_step, set_seed, step_seed
     from sparserl.utils.timers import Timers
 
     info, dims, mesh = S.start_processes(cfg)
@@ -116,7 +116,7 @@ def train(cfg: Config) -> None:
             engine.reset_stats()
             # Each prompt's samples are keyed by (seed, step, its place in the global batch): the same whatever the
             # number of processes (elastic resume).
-            engine.seed = cfg.trainer.seed * 1_000_003 + step * 7_919
+            engine.set_seed(step_seed(cfg.trainer.seed, step))
         with timers("rollout"):
             if tp_share.is_owner:
                 with progress(len(step_rows) * params.n, f"rollout {step}", info.rank, cfg.logger.progress) as bar:
@@ -188,6 +188,7 @@ def train(cfg: Config) -> None:
         if cfg.trainer.export_hf:
             export_final(cfg, actor, tokenizer, info.rank)
     logger.close()
+    engine.close()
     task.close()
 
 

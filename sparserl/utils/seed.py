@@ -9,18 +9,21 @@ checkpoint, and data order uses its own generator seeded with `seed` alone.
 alone: a resumed run, on any number of processes, continues the same streams without saving any
 generator state (sparserl/actor/checkpoint.py).
 
+Every derived stream (a step's, an engine sample's, a turn's, an eval set's, a data source's) comes from one
+function, `derive(base, (key, stride), ...) = base * MIX + sum(key * stride)` (optionally reduced modulo a bound),
+through the named helpers below; engines and the trainer call those and never write the mix by hand.
+
 `rng_state()` returns only tensors, ints, floats, strings and tuples, so `torch.save` stores it and
 `torch.load(weights_only=True)` reads it back.
 
 Left out on purpose: `torch.use_deterministic_algorithms` and cuDNN flags (they cost speed and belong to
-the caller's choice), and the states of generators owned by other objects (samplers, data loaders).
+the caller's choice), and the states of generators owned by other objects (samplers, data loaders). torch is
+imported inside the functions that seed it, so the derivations cost no torch import (the input checks run before it).
 """
 from __future__ import annotations
 
 import random
 from typing import Any
-
-import torch
 
 try:
     import numpy as np
@@ -28,8 +31,36 @@ except ImportError:  # numpy is optional; torch and python random are always see
     np = None
 
 
+MIX = 1_000_003  # a prime: streams of neighbouring bases do not overlap for any realistic key range
+SAMPLE_MOD = 2**63 - 1  # sample streams fit torch.Generator.manual_seed and int64 tensors
+
+
+def derive(base: int, *keys: tuple[int, int], modulus: int | None = None) -> int:
+    """The seed of a child stream of `base`: `base * MIX + sum(key * stride for key, stride in keys)`."""
+    value = int(base) * MIX + sum(int(k) * int(s) for k, s in keys)
+    return value % modulus if modulus else value
+
+
+def step_seed(seed: int, step: int) -> int:
+    """Training step `step` of a run seeded with `seed`: the global generators and the engine's base seed."""
+    return derive(seed, (step, 7_919))
+
+
+def sample_seed(base: int, index: int, sample: int) -> int:
+    """Sample `sample` of the request at seed index `index` under an engine (or request) seed `base`: the one
+    stream key every engine draws a sample with, so that engines agree by construction."""
+    return derive(base, (index, 10_007), (sample, 1), modulus=SAMPLE_MOD)
+
+
+def turn_seed(seed: int, turn: int, index: int = 0) -> int:
+    """The request seed of turn `turn` of a multi-turn episode whose first turn had request seed `seed`."""
+    return derive(turn, (seed, 1), (index, 1))
+
+
 def set_seed(seed: int, rank: int = 0) -> int:
     """Seed python, numpy and torch (CPU and every CUDA device) with `seed + rank`; returns that value."""
+    import torch
+
     effective = int(seed) + int(rank)
     random.seed(effective)
     if np is not None:
@@ -40,11 +71,13 @@ def set_seed(seed: int, rank: int = 0) -> int:
 
 def seed_step(seed: int, step: int, rank: int = 0) -> int:
     """Seed every generator for training step `step` of a run seeded with `seed` (see the module docstring)."""
-    return set_seed(int(seed) * 1_000_003 + int(step) * 7_919, rank)
+    return set_seed(step_seed(seed, step), rank)
 
 
 def rng_state() -> dict[str, Any]:
     """The current states of the python, numpy, torch and CUDA generators."""
+    import torch
+
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if np is not None:
         st = np.random.get_state(legacy=False)
@@ -62,6 +95,8 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore states from `rng_state()`; generators absent from `state` (e.g. CUDA saved on CPU) are kept."""
+    import torch
+
     if "python" in state:
         version, internal, gauss_next = state["python"]
         random.setstate((version, tuple(internal), gauss_next))  # a loader may turn tuples into lists

@@ -38,7 +38,7 @@ from sparserl.engines.native.scheduler import ScheduledBatch, Scheduler
 from sparserl.engines.native.sequence import Sequence, Status
 from sparserl.engines.native.sessions import SessionTable, check_extends, choose_victims, session_keys
 from sparserl.engines.native.slot_pool import SlotPool
-from sparserl.engines.types import Generation, GenerationRequest, KVStats
+from sparserl.engines.types import Generation, GenerationRequest, KVStats, eos_ids
 
 
 @dataclass
@@ -113,6 +113,18 @@ class NativeEngine:
             self.compression.release()
         if self.release_weights:
             self.runner.release_weights()
+        self._awake = False
+
+    def set_seed(self, seed: int) -> None:
+        self.seed = seed
+
+    def close(self) -> None:
+        """Drop the pool, the held sessions and the weight copy (the engine cannot generate again)."""
+        self.end_sessions()
+        self.runner.release()
+        if self.compression is not None:
+            self.compression.release()
+        self.runner.release_weights()
         self._awake = False
 
     @property
@@ -393,15 +405,10 @@ class NativeEngine:
                           text, kv, session)
 
 
-def _default_eos(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
+def _default_eos(model, tokenizer) -> frozenset[int]:
     gen_cfg = getattr(model, "generation_config", None)
-    for source in (getattr(gen_cfg, "eos_token_id", None), getattr(model.config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(int(x) for x in source)
-    return ids
+    return eos_ids(getattr(gen_cfg, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
+                   getattr(tokenizer, "eos_token_id", None))
 
 
 @register_engine("native")

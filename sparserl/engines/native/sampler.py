@@ -11,6 +11,7 @@ import torch
 
 from sparserl.engines.native.sequence import Sequence
 from sparserl.model.sampling import processed_logprobs
+from sparserl.utils.seed import sample_seed
 
 
 class Sampler:
@@ -25,7 +26,7 @@ class Sampler:
             gen = torch.Generator(device=device)
             # Distinct, reproducible streams per (seed, request, sample).
             index = seq.request_index if seq.seed_index is None else seq.seed_index
-            gen.manual_seed((base * 1_000_003 + index * 10_007 + seq.sample_index) % (2**63 - 1))
+            gen.manual_seed(sample_seed(base, index, seq.sample_index))
             self._generators[seq.seq_id] = gen
         return gen
 

@@ -47,7 +47,8 @@ from sparserl.engines.protocol import EngineStats, register_engine
 from sparserl.engines.sglang import KV_ENV, SAMPLER_ENV_FLAG
 from sparserl.engines.sglang.kv_records import RECORD_KEY, PoolCounters, drawn_positions, kv_stats, pool_counters
 from sparserl.engines.sglang.options import SGLangOptions, options_from_config  # noqa: F401 (re-exported)
-from sparserl.engines.types import Generation, GenerationRequest, KVStats, SamplingParams
+from sparserl.engines.types import Generation, GenerationRequest, KVStats, SamplingParams, eos_ids
+from sparserl.utils.seed import sample_seed
 from sparserl.engines.weight_sync import buckets
 
 MEMORY_TAGS = ("kv_cache", "cuda_graph", "weights")  # sglang.srt.constants.GPU_MEMORY_ALL_TYPES
@@ -174,6 +175,9 @@ class SGLangEngine:
     def end_sessions(self, session_ids: Iterable[Hashable] | None = None) -> int:
         return 0  # nothing is held between turns (see `supports_sessions`)
 
+    def set_seed(self, seed: int) -> None:
+        self.seed = seed
+
     def close(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()
@@ -210,7 +214,7 @@ class SGLangEngine:
             index = i if req.seed_index is None else req.seed_index
             for j in range(p.n):
                 # The native engine's stream key: (seed, request seed index or position, sample index).
-                seed = (base * 1_000_003 + index * 10_007 + j) % (2**63 - 1)
+                seed = sample_seed(base, index, j)
                 out.append(_Sample(i, j, list(req.prompt_token_ids), p, seed))
         return out
 
@@ -359,17 +363,11 @@ def _default_eos(model_path: str, tokenizer) -> frozenset[int]:
     """The native engine's EOS set: generation config, model config, tokenizer."""
     from transformers import AutoConfig, GenerationConfig
 
-    ids: set[int] = set()
     try:
         gen_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
     except OSError:  # no generation_config.json
         gen_eos = None
-    for source in (gen_eos, AutoConfig.from_pretrained(model_path).eos_token_id, getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(int(x) for x in source)
-    return frozenset(ids)
+    return eos_ids(gen_eos, AutoConfig.from_pretrained(model_path).eos_token_id, getattr(tokenizer, "eos_token_id", None))
 
 
 def _kv_bytes_per_token(model_path: str, dtype: str) -> int:
