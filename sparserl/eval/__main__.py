@@ -17,7 +17,9 @@ from sparserl.eval.model import load_dcp_weights, resolve_eval_model
 from sparserl.eval.report import format_table, settings, write_outputs
 from sparserl.eval.run import evaluate, format_prompts
 from sparserl.parallel import ParallelDims, init_distributed
-from sparserl.trainer import setup as S
+from sparserl.actor.hf import load_tokenizer
+from sparserl.launch.engines import build_rollout_engine, kv_policy
+from sparserl.launch.precision import resolve_precision
 from sparserl.utils.errors import run_main
 from sparserl.utils.logging import log0
 
@@ -36,17 +38,17 @@ def run(cfg: Config) -> None:
         from sparserl.engines.sglang import check_config
 
         check_config(cfg)
-    S.kv_policy(cfg)
+    kv_policy(cfg)
     info = init_distributed(cfg.parallel.device, cfg.parallel.backend)
     dims = ParallelDims.from_world(info.world_size, cfg.parallel.tp)
-    S.resolve_precision(cfg, info.device)
+    resolve_precision(cfg, info.device)
     dp = dims.build_mesh(info.device.type)["dp"]
     tp_share = dims.tp_share(info.rank)  # with tp > 1 each TP group's owner evaluates, its peers receive the result
-    tokenizer = S.load_tokenizer(model.path)
+    tokenizer = load_tokenizer(model.path)
     texts = format_prompts(cfg, sets, tokenizer)
     lengths = [len(ids) for t in texts for ids in tokenizer(t, add_special_tokens=False)["input_ids"]]
     per_rank = max(-(-len(s.rows) // dims.dp) for s in sets) * cfg.eval.n
-    engine = S.build_rollout_engine(cfg, model.path, tokenizer, info.device, pool_slots(cfg, lengths, per_rank), cfg.eval.seed)
+    engine = build_rollout_engine(cfg, model.path, tokenizer, info.device, pool_slots(cfg, lengths, per_rank), cfg.eval.seed)
     if model.dcp is not None:
         engine.update_weights(load_dcp_weights(model.dcp))
     log0(f"evaluating {model.describe()} on {', '.join(f'{s.name} ({len(s.rows)})' for s in sets)}: "
@@ -57,6 +59,7 @@ def run(cfg: Config) -> None:
         out = write_outputs(cfg.eval.output_dir, result, settings(cfg, model.describe(), info.world_size))
         print(format_table(result), flush=True)
         print(f"wrote {out / 'eval.json'} and {out / 'samples.jsonl'}", flush=True)
+    engine.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,28 +8,22 @@ Left out on purpose: building a second model for evaluation (it runs on the roll
 """
 from __future__ import annotations
 
-import dataclasses
-import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from sparserl.actor.actor import Actor
-from sparserl.actor.hf import load_model, load_tokenizer
+from sparserl.actor.hf import load_tokenizer
 from sparserl.config import Config, to_dict, to_yaml
 from sparserl.data.dataset import PromptRow, format_prompt
 from sparserl.data.prompt_sampler import MixtureSampler, PromptSampler
-from sparserl.kv import KVPolicyConfig
 from sparserl.parallel import DistInfo, ParallelDims, init_distributed
-from sparserl.engines.protocol import build_engine
-from sparserl.engines.types import SamplingParams
+from sparserl.launch.engines import build_rollout_engine, pool_slots, sampling_params
+from sparserl.launch.precision import resolve_precision
 from sparserl.trainer.preflight import Inputs, validate_inputs
 from sparserl.utils.errors import UserError, one_line
-from sparserl.utils import precision
 from sparserl.utils.logging import MetricsLogger, log0
-from sparserl.utils.memory import release_free_memory
 
 
 def format_prompts(cfg: Config, rows: list[PromptRow], tokenizer) -> list[str]:
@@ -130,56 +124,6 @@ def task_env(cfg: Config, inputs: Inputs, tokenizer, rank: int) -> TaskEnv:
     return TaskEnv(envs, rows, [r.prompt for r in rows], max_prompt, sizes, [s.weight for s in envs.specs], server)
 
 
-def kv_policy(cfg: Config) -> KVPolicyConfig:
-    try:  # rollout.kv mirrors KVPolicyConfig field for field
-        return KVPolicyConfig(**dataclasses.asdict(cfg.rollout.kv))
-    except ValueError as e:
-        raise UserError(f"rollout.kv: {e}") from None
-
-
-def sampling_params(cfg: Config) -> SamplingParams:
-    r = cfg.rollout
-    try:
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                              stop_strings=tuple(r.stop_strings), n=r.n)
-    except (ValueError, TypeError) as e:
-        raise UserError(f"rollout: {e}") from None
-
-
-def pool_slots(cfg: Config, max_prompt_len: int, prompts_per_rank: int) -> int:
-    if cfg.rollout.kv_pool_tokens > 0:
-        return cfg.rollout.kv_pool_tokens
-    # Enough for every sequence of a step at its dense worst case: no request ever waits on memory.
-    return max(1, prompts_per_rank * cfg.rollout.n) * (max_prompt_len + cfg.rollout.max_new_tokens)
-
-
-def build_rollout_engine(cfg: Config, model_path: str, tokenizer, device: torch.device, num_slots: int, seed: int):
-    """The rollout engine, started after the device memory the actor's build left cached is given back (SGLang
-    sizes its KV pool from the free memory it measures once, at start-up); says the pool it got."""
-    gc.collect()
-    release_free_memory()
-    engine = _build_engine(cfg, model_path, tokenizer, device, num_slots, seed)
-    st = engine.stats()
-    log0(f"rollout engine {cfg.rollout.engine}: KV pool {st.pool_slots} tokens x {st.kv_bytes_per_slot} B = "
-         f"{st.pool_slots * st.kv_bytes_per_slot / 2**30:.3f} GiB per engine"
-         + (f" ({torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB of the device free after)" if device.type == "cuda" else ""))
-    return engine
-
-
-def _build_engine(cfg: Config, model_path: str, tokenizer, device: torch.device, num_slots: int, seed: int):
-    if cfg.rollout.engine == "native":
-        model = load_model(model_path, cfg.rollout.dtype, device)
-        return build_engine("native", model=model, tokenizer=tokenizer, num_slots=num_slots,
-                            max_num_seqs=cfg.rollout.max_num_seqs, max_batch_tokens=cfg.rollout.max_batch_tokens,
-                            seed=seed, kv=kv_policy(cfg), release_weights=cfg.rollout.release_weights,
-                            quantization=cfg.rollout.quantization, quantize_lm_head=cfg.rollout.quantize_lm_head,
-                            rescore_seqs=cfg.rollout.rescore_seqs, decode_cache=cfg.rollout.decode_cache)
-    if cfg.rollout.engine == "sglang":
-        return build_engine("sglang", cfg=cfg, model_path=model_path, tokenizer=tokenizer, device=device,
-                            num_slots=num_slots, seed=seed)
-    return build_engine(cfg.rollout.engine, cfg=cfg, model_path=model_path, tokenizer=tokenizer)
-
-
 def build_actor(cfg: Config, model_path: str, mesh, device, trainable: bool = True) -> Actor:
     a, r = cfg.actor, cfg.rollout
     return Actor(model_path, mesh, device, dtype=cfg.model.dtype, compute_dtype=cfg.model.compute_dtype, lr=a.lr,
@@ -198,21 +142,6 @@ def start_processes(cfg: Config) -> tuple[DistInfo, ParallelDims, object]:
         raise UserError(f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} must be divisible by the data-parallel size {dims.dp}")
     resolve_precision(cfg, info.device)
     return info, dims, dims.build_mesh(info.device.type)
-
-
-def resolve_precision(cfg: Config, device: torch.device) -> None:
-    """Replace `auto` in model.compute_dtype / rollout.dtype with what this hardware runs fast (same on every
-    rank), set the CPU thread count, and say both once (utils/precision.py)."""
-    if device.type == "cpu":
-        torch.set_num_threads(precision.cpu_threads())
-    keys = [k for k, v in (("model.compute_dtype", cfg.model.compute_dtype), ("rollout.dtype", cfg.rollout.dtype)) if v == "auto"]
-    if keys:
-        choice = precision.agree(precision.choose_auto(device))
-        cfg.model.compute_dtype = precision.resolve(cfg.model.compute_dtype, choice)
-        cfg.rollout.dtype = precision.resolve(cfg.rollout.dtype, choice)
-        log0(f"precision: {', '.join(keys)}=auto -> {choice.dtype}: {choice.reason}")
-    if device.type == "cpu":
-        log0(f"cpu threads per process: {torch.get_num_threads()}")
 
 
 def prompt_sampler(cfg: Config, task: TaskEnv, mesh) -> PromptSampler | MixtureSampler:
@@ -235,5 +164,6 @@ def open_output(cfg: Config, rank: int, tokenizer_loaded) -> MetricsLogger:
                          total_steps=cfg.trainer.total_steps)
 
 
-__all__ = ["Inputs", "validate_inputs", "TaskEnv", "task_env", "format_prompts", "sampling_params", "pool_slots", "build_rollout_engine", "build_actor",
-           "start_processes", "resolve_precision", "prompt_sampler", "open_output", "load_tokenizer", "filter_long_prompts"]
+__all__ = ["Inputs", "validate_inputs", "TaskEnv", "task_env", "format_prompts", "sampling_params", "pool_slots",
+           "build_rollout_engine", "build_actor", "start_processes", "prompt_sampler", "open_output", "load_tokenizer",
+           "filter_long_prompts"]

@@ -36,7 +36,7 @@ from sparserl.cli import parse_cli
 from sparserl.config import Config, to_dict, to_yaml
 from sparserl.data.dataset import PromptRow, format_prompt
 from sparserl.parallel import choose_device
-from sparserl.trainer.setup import resolve_precision
+from sparserl.launch.precision import resolve_precision
 from sparserl.utils.envload import load_env
 from sparserl.utils.errors import UserError, run_main
 from sparserl.utils.logging import MetricsLogger, log0, progress

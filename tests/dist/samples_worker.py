@@ -14,12 +14,16 @@ import sys
 
 import torch
 
-import sparserl.trainer.batch as B
+import sparserl.trainer.loss as L
+import sparserl.trainer.old_logprobs as O
 from sparserl.cli import parse_cli
 from sparserl.rollout.worker import rollout
 from sparserl.trainer import setup as S
+from sparserl.trainer.advantages import set_advantages
+from sparserl.trainer.balance import balance_ranks
 from sparserl.trainer.preflight import validate_inputs
 from sparserl.trainer.samples import SampleLog
+from sparserl.trainer.train_batch import to_train_batch
 
 SEEN: dict = {}
 CURRENT: dict = {}
@@ -73,21 +77,22 @@ def main() -> None:
     for i, (t, push) in zip((1, 2, 3), ((2, 12.0), (0, -1.0), (3, 1.0))):  # veto; xi = e (high); xi = 1/e (low)
         samples[i].logp_sparse[t] += push
 
-    batch = B.to_train_batch(samples, info.device)
-    loss_cfg = B.loss_config(cfg.algo)
+    batch = to_train_batch(samples, info.device)
+    loss_cfg = L.loss_config(cfg.algo)
     fused = path == "fused"
     if not fused:
         batch.logp_old = actor.logprobs(batch)
-    rejected, correction_metrics = B.apply_correction(cfg.algo, batch, actor.dp_group) if not fused else (None, {})
-    B.set_advantages(cfg.algo, batch, samples, params.n, rejected, loss_cfg)
-    batch, minibatches, _ = B.balance_ranks(batch, 1, actor.dp_group)
-    B.policy_objective = recording_objective(B.policy_objective)
-    loss_fn = B.FusedOldLogprobLoss(cfg.algo, loss_cfg, actor.dp_group) if fused else B.make_loss_fn(loss_cfg)
+    rejected, correction_metrics = L.apply_correction(cfg.algo, batch, actor.dp_group) if not fused else (None, {})
+    set_advantages(cfg.algo, batch, samples, params.n, rejected, loss_cfg)
+    batch, minibatches, _ = balance_ranks(batch, 1, actor.dp_group)
+    L.policy_objective = recording_objective(L.policy_objective)  # both loss closures' objective
+    O.policy_objective = recording_objective(O.policy_objective)
+    loss_fn = O.FusedOldLogprobLoss(cfg.algo, loss_cfg, actor.dp_group) if fused else L.make_loss_fn(loss_cfg)
     actor.update(batch, Recording(loss_fn), 1, 1, minibatches=minibatches)
     if fused:
         correction_metrics = loss_fn.metrics
     norm_factor = correction_metrics["correction/norm_factor"]
-    log = SampleLog(out, cfg.trainer.log_samples, info.rank, B.correction_config(cfg.algo), tokenizer)
+    log = SampleLog(out, cfg.trainer.log_samples, info.rank, L.correction_config(cfg.algo), tokenizer)
     log.log(1, samples, batch, norm_factor, actor.dp_group)
     torch.save({"seen": SEEN, "norm_factor": norm_factor, "fused": fused,
                 "compressions": [s.kv[0].compressions for s in samples]}, f"{out}/loss_{info.rank}.pt")

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sparserl.config import load_config
-from sparserl.trainer.setup import resolve_precision
+from sparserl.launch.precision import resolve_precision
 from sparserl.utils import precision
 
 

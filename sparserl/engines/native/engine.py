@@ -22,6 +22,7 @@ held slots count against the pool and are dropped under pressure (policy in `ses
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable
 
@@ -32,6 +33,7 @@ from sparserl.engines.protocol import EngineStats, register_engine
 from sparserl.engines.native import rescore
 from sparserl.engines.native.compressor import Compressor
 from sparserl.engines.native.decode_cache import resolve_decode_cache
+from sparserl.engines.native.options import NativeOptions
 from sparserl.engines.native.runner import ModelRunner
 from sparserl.engines.native.sampler import Sampler
 from sparserl.engines.native.scheduler import ScheduledBatch, Scheduler
@@ -57,23 +59,15 @@ class NativeEngine:
     supports_sessions = True
     receives_weights = True  # the engine lives in this process (engines/weight_sync.py)
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        tokenizer=None,
-        num_slots: int = 65536,
-        max_num_seqs: int = 256,
-        max_batch_tokens: int = 8192,
-        seed: int = 0,
-        eos_token_ids: Iterable[int] | None = None,
-        kv: KVPolicyConfig | None = None,
-        release_weights: bool = False,
-        quantization: str = "none",
-        quant_kernel: str = "auto",
-        quantize_lm_head: bool = False,
-        rescore_seqs: int = 0,
-        decode_cache: str = "off",
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer=None, options: NativeOptions | None = None, seed: int = 0,
+                 eos_token_ids: Iterable[int] | None = None, **option_fields) -> None:
+        """`options`, or its fields as keywords (`NativeEngine(model, num_slots=512, kv=...)`); keywords given
+        with `options` replace its fields."""
+        self.options = options = dataclasses.replace(options or NativeOptions(), **option_fields)
+        num_slots, max_num_seqs, max_batch_tokens = options.num_slots, options.max_num_seqs, options.max_batch_tokens
+        kv, release_weights, quantization = options.kv, options.release_weights, options.quantization
+        quant_kernel, quantize_lm_head = options.quant_kernel, options.quantize_lm_head
+        rescore_seqs, decode_cache = options.rescore_seqs, options.decode_cache
         self.tokenizer = tokenizer
         # True: sleep() also drops the weights (the actor pushes fresh ones after every update anyway).
         self.release_weights = release_weights

@@ -46,7 +46,7 @@ import torch
 from sparserl.engines.protocol import EngineStats, register_engine
 from sparserl.engines.sglang import KV_ENV, SAMPLER_ENV_FLAG
 from sparserl.engines.sglang.kv_records import RECORD_KEY, PoolCounters, drawn_positions, kv_stats, pool_counters
-from sparserl.engines.sglang.options import SGLangOptions, options_from_config  # noqa: F401 (re-exported)
+from sparserl.engines.sglang.options import SGLangOptions
 from sparserl.engines.types import Generation, GenerationRequest, KVStats, SamplingParams, eos_ids
 from sparserl.utils.seed import sample_seed
 from sparserl.engines.weight_sync import buckets
@@ -381,11 +381,10 @@ def _kv_bytes_per_token(model_path: str, dtype: str) -> int:
 
 
 @register_engine("sglang")
-def build_sglang_engine(cfg, model_path: str, tokenizer=None, device: torch.device | str = "cpu", num_slots: int = 0,
-                        seed: int = 0) -> SGLangEngine:
-    """The trainer's builder: options from `rollout.sglang.*`, the TP group from the process's rank."""
+def build_sglang_engine(model_path: str, options: SGLangOptions | None = None, tokenizer=None, seed: int = 0,
+                        tp: int = 1) -> SGLangEngine:
+    """The engine of this process's tensor-parallel group of size `tp` (its first rank starts SGLang)."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    group = TPGroup.of_rank(rank, cfg.parallel.tp)
-    return SGLangEngine(model_path, options_from_config(cfg, device, num_slots), tokenizer, seed, group=group)
+    return SGLangEngine(model_path, options, tokenizer, seed, group=TPGroup.of_rank(rank, tp))

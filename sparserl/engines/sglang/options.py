@@ -1,16 +1,15 @@
-"""What the in-process SGLang engine is started with: `SGLangOptions` and their mapping from the run's config."""
+"""What the in-process SGLang engine is started with: `SGLangOptions` (the trainer's setup, sparserl/launch/engines.py,
+maps the run's config onto them) and the SGLang server arguments they stand for."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 
 
 @dataclass(frozen=True)
 class SGLangOptions:
-    """What an engine is started with, resolved from `rollout.sglang.*` (see `options_from_config`)."""
+    """What an engine is started with: resolved values (no `auto`), for one device."""
 
     device: str = "cpu"  # cpu | cuda
     dtype: str = "bfloat16"
@@ -59,31 +58,3 @@ class SGLangOptions:
         if self.device == "cuda":
             args["base_gpu_id"] = self.base_gpu_id
         return args
-
-
-def options_from_config(cfg, device: torch.device | str = "cpu", num_slots: int = 0) -> SGLangOptions:
-    """`rollout.sglang.*` with its `auto` / 0 defaults resolved for this device; `num_slots` is the native
-    engine's pool size for the same run (every sequence of a step, densely), used when no budget is given."""
-    s, r = cfg.rollout.sglang, cfg.rollout
-    dev = torch.device(device).type
-    on_gpu = dev == "cuda"
-    backend = s.attention_backend
-    if backend == "auto":
-        backend = None if on_gpu else "torch_native"
-    return SGLangOptions(
-        device=dev,
-        dtype=r.dtype if s.dtype == "auto" else s.dtype,
-        attention_backend=backend,
-        mem_fraction_static=s.mem_fraction_static,
-        max_total_tokens=s.max_total_tokens or r.kv_pool_tokens or num_slots,
-        max_running_requests=s.max_running_requests or r.max_num_seqs,
-        chunked_prefill_size=s.chunked_prefill_size,
-        cuda_graph=s.cuda_graph and on_gpu,
-        memory_saver=s.memory_saver and on_gpu,  # torch_memory_saver hooks CUDA allocations only
-        release_weights=s.release_weights,
-        weight_bucket_mb=s.weight_bucket_mb,
-        log_level=s.log_level,
-        tp_size=cfg.parallel.tp,
-        base_gpu_id=torch.cuda.current_device() if on_gpu else 0,
-        kv=dataclasses.asdict(r.kv) if r.kv.algorithm != "none" else None,
-    )
