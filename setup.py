@@ -32,7 +32,6 @@ setup(
         "envs": ["openreward>=0.1.167", "reasoning-gym>=0.1.25"],
         # The SGLang adapter targets this release's weight-update and sampler APIs (sparserl/engines/sglang).
         "sglang": ["sglang==0.5.23"],
-        "flash": ["flash-attn>=2.6"],
         "wandb": ["wandb"],
         # python -m sparserl.report (curves drawn by matplotlib).
         "report": ["matplotlib"],

@@ -35,7 +35,7 @@ def one(args) -> None:
     from sparserl.config import AlgoConfig
     from sparserl.parallel import ParallelDims, init_distributed
     from sparserl.actor.hf import resolve_model_path
-    from sparserl.trainer.batch import FusedOldLogprobLoss
+    from sparserl.trainer.old_logprobs import FusedOldLogprobLoss
     from sparserl.utils.memory import PhasePeaks, release_free_memory
 
     info = init_distributed("cpu" if not torch.cuda.is_available() else "cuda")

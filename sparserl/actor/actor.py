@@ -1,7 +1,7 @@
 """The actor: an FSDP2-sharded Hugging Face model, its optimizer, log-prob recompute and the PPO update.
 
 Every DP rank trains on its own share of the sequences (the trainer first balances token counts across
-ranks, trainer/batch.py `balance_ranks`). Losses are normalized by counts all-reduced over the whole
+ranks, trainer/balance.py `balance_ranks`). Losses are normalized by counts all-reduced over the whole
 minibatch and multiplied by the DP size before backward (FSDP2 averages gradients), so the update is the
 same for any world size and any micro-batch split. Ranks run the same number of forwards (short ranks run
 an empty micro-batch), because every FSDP2 forward and backward is a collective.
@@ -192,7 +192,7 @@ class Actor:
                 # FSDP2 averages gradients over DP ranks; the loss is already globally normalized.
                 (loss * self.dp_size).backward()
         finalize = getattr(loss_fn, "finalize", None)
-        if finalize is not None:  # normalizers known only now (trainer/batch.py FusedOldLogprobLoss)
+        if finalize is not None:  # normalizers known only now (trainer/old_logprobs.py FusedOldLogprobLoss)
             grad_scale, metric_scales = finalize(batch, index, norm)
             if grad_scale != 1.0:
                 for p in self.model.parameters():

@@ -1,9 +1,17 @@
 """`torchrun -m sparserl.trainer.grpo key=value ...`: GRPO-family training on (sparse) rollouts.
 
-Each step, top to bottom (reasons in docs/decisions.md): wake the engine, roll out this rank's prompts through the
-env, put the engine to sleep, recompute dense log-probs, correct for the sampler mismatch, compute group
-advantages, update the actor, push the weights to the engine, log, checkpoint. This file orchestrates;
-the work happens in the functions it calls.
+Each step, top to bottom (reasons in docs/decisions.md):
+  1. wake the engine and roll out this rank's prompts through the env (sparserl/rollout);
+  2. put the engine to sleep, giving its KV memory back;
+  3. logp_old, the dense log-probs of the sampled tokens (and the reference's);
+  4. correct for the sparse/dense sampler mismatch;
+  5. group advantages (trainer/advantages.py);
+  6. the update, after balancing token loads over DP ranks (trainer/balance.py);
+  7. push the new weights to the engine;
+  8. log (metrics, logged samples) and checkpoint.
+Steps 3, 4 and 6's loss come from one `OldLogprobs` strategy (trainer/old_logprobs.py): a separate forward pass
+before the update, or, with one update per rollout, the update's own forward with the correction inside it.
+This file orchestrates; the work happens in the functions it calls.
 
 The command line (`--help`, `--cfg job`, overrides) and every input are checked before the training stack
 is imported: torch alone takes seconds to import, and a bad key, value, file or folder answers in about one
@@ -45,8 +53,11 @@ def train(cfg: Config) -> None:
     from sparserl.rollout.worker import rollout
     from sparserl.trainer import setup as S
     from sparserl.trainer.faults import PREEMPTED_EXIT_CODE, Preemption, check_skips, injected_nan
-    from sparserl.trainer.batch import (FusedOldLogprobLoss, apply_correction, balance_ranks, correction_config,
-                                        fused_old_logprobs, loss_config, make_loss_fn, set_advantages, to_train_batch)
+    from sparserl.trainer.advantages import set_advantages
+    from sparserl.trainer.balance import balance_ranks
+    from sparserl.trainer.loss import correction_config, loss_config
+    from sparserl.trainer.old_logprobs import OldLogprobs
+    from sparserl.trainer.train_batch import to_train_batch
     from sparserl.trainer.metrics import gather_step_metrics
     from sparserl.trainer.samples import SampleLog
     from sparserl.utils.logging import log0, progress
@@ -89,9 +100,8 @@ def train(cfg: Config) -> None:
     if evals.enabled and start == 0:
         logger.log(0, evals.run(0))
     loss_cfg = loss_config(cfg.algo)
-    fused, why_not = fused_old_logprobs(cfg)
-    log0("old log-probs: from the update's own forward (one update per rollout)" if fused else
-         f"old log-probs: a separate forward pass ({why_not})")
+    old_logprobs = OldLogprobs.choose(cfg, actor, loss_cfg)  # a separate pass, or the update's own forward
+    log0(f"old log-probs: {old_logprobs.description}")
     timers = Timers(memory=PhasePeaks(info.device))
     dp_rank, share = mesh["dp"].get_local_rank(), cfg.trainer.prompts_per_step // dims.dp
 
@@ -107,9 +117,9 @@ def train(cfg: Config) -> None:
         step_rows = [rows[i] for i in batch_idx.local_indices]
         texts = [prompts[i] for i in batch_idx.local_indices]
 
-        # 1-3: rollout with fresh weights, then give the KV memory back for training. With tp > 1 only the TP
-        # group's owner runs the engine and the env loop; its peers receive its samples, rollout metrics and
-        # engine stats (parallel.TPShare), so the group trains on one batch whatever the env does per process.
+        # 1: rollout with fresh weights. With tp > 1 only the TP group's owner runs the engine and the env loop;
+        # its peers receive its samples, rollout metrics and engine stats (parallel.TPShare), so the group trains on
+        # one batch whatever the env does per process.
         rolled = None
         if tp_share.is_owner:
             engine.wake()
@@ -126,38 +136,39 @@ def train(cfg: Config) -> None:
                                      step_timeout_s=cfg.env.step_timeout_s, max_concurrency=cfg.env.max_concurrency)
                 rolled += (engine.stats(),)
             samples, rollout_metrics, engine_stats = tp_share.from_owner(rolled)
+
+        # 2: the engine sleeps, giving the KV memory back for training.
         engine.sleep()  # a peer's engine never woke; this still drops its weights under rollout.release_weights
         release_free_memory()
 
-        # 4: dense log-probs of the sampled tokens under the same weights (and the reference). On the
-        # single-update path logp_old comes out of the update's own forward instead (step 7).
+        # 3: logp_old, the dense log-probs of the sampled tokens under the same weights (a separate pass, or nothing
+        # yet: then the update's own forward supplies them), and the reference's.
         batch = to_train_batch(samples, info.device)
-        if not fused:
-            with timers("old_logprobs"):
-                batch.logp_old = actor.logprobs(batch)
+        old_logprobs.compute(batch, timers("old_logprobs"))  # the phase's timer, entered by a separate pass only
         if ref is not None:
             with timers("ref_logprobs"):
                 batch.logp_ref = ref.logprobs(batch)
 
-        # 5-6: sparse/dense mismatch correction (inside the update on the single-update path), then advantages.
-        rejected, correction_metrics = apply_correction(cfg.algo, batch, actor.dp_group) if not fused else (None, {})
+        # 4: sparse/dense mismatch correction (or, on the single-update path, inside the update).
+        rejected = old_logprobs.correct(batch)
+
+        # 5: group advantages.
         adv_metrics = set_advantages(cfg.algo, batch, samples, params.n, rejected, loss_cfg, actor.dp_group)
         if injected_nan(step, info.rank):  # SPARSERL_FAULT drill (trainer/faults.py)
             batch.advantages.fill_(float("nan"))
 
-        # 7: the update (sequences first spread so every DP rank trains on the same number of tokens), then
-        # fresh weights into the engine.
+        # 6: the update, sequences first spread so every DP rank trains on the same number of tokens.
         with timers("update"):
             minibatches, balance_metrics = None, {}
             if cfg.actor.balance_ranks:
                 batch, minibatches, balance_metrics = balance_ranks(batch, cfg.actor.updates_per_rollout, actor.dp_group,
-                                                                       cfg.actor.share_prompts)
-            loss_fn = FusedOldLogprobLoss(cfg.algo, loss_cfg, actor.dp_group) if fused else make_loss_fn(loss_cfg)
-            actor_metrics = actor.update(batch, loss_fn, cfg.actor.updates_per_rollout, cfg.actor.ppo_epochs,
-                                         minibatches=minibatches)
-            if fused:
-                correction_metrics = loss_fn.metrics
+                                                                    cfg.actor.share_prompts)
+            actor_metrics = actor.update(batch, old_logprobs.loss_fn(), cfg.actor.updates_per_rollout,
+                                         cfg.actor.ppo_epochs, minibatches=minibatches)
+        correction_metrics = old_logprobs.correction_metrics()
         release_free_memory()
+
+        # 7: fresh weights into the engine.
         with timers("weight_sync"):
             sync_weights(actor.full_state(), engine)
 

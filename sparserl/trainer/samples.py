@@ -111,7 +111,7 @@ def build_record(step: int, index: int, sample: Sample, row: LoggedRow, cfg: Cor
     n_resp = len(sample.response_ids)
     if len(row.logp_old) != n_resp:
         raise RuntimeError(f"logged sample {index}: {len(row.logp_old)} dense log-probs for {n_resp} response tokens")
-    # float32, as in the training batch (trainer/batch.py pads into float32), so every threshold sees the same bits.
+    # float32, as in the training batch (train_batch.py pads into float32), so every threshold sees the same bits.
     logp_old = torch.tensor([row.logp_old], dtype=torch.float32)  # (1, T)
     logp_sparse = torch.tensor([sample.logp_sparse], dtype=torch.float32)  # (1, T)
     mask = torch.tensor([sample.loss_mask], dtype=torch.float32)  # (1, T)

@@ -16,6 +16,8 @@ more is its own mapping, returned to the OS when freed. Measured on one actor up
 (SmolLM2-135M fp32, 64 sequences, activation checkpointing, 4096-token micro-batches, one process): update peak
 4.59 -> 3.16 GB, of which 2.73 -> 1.30 GB above the weights and optimizer state. `MALLOC_MMAP_THRESHOLD_` in the
 environment, or `SPARSERL_MALLOC_TUNE=0`, leaves glibc as it is.
+The module imports torch only where CUDA is asked about, so the entry points' start-up (`tune_malloc`) and their
+one-line user errors cost no torch import.
 Left out on purpose: per-tensor attribution (use torch.profiler or the CUDA memory snapshot for that).
 """
 from __future__ import annotations
@@ -24,9 +26,12 @@ import ctypes
 import ctypes.util
 import os
 import resource
+import sys
 import threading
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -75,7 +80,8 @@ def release_free_memory() -> None:
     libc = _glibc()
     if libc and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    torch = sys.modules.get("torch")  # not imported yet: no CUDA memory to give back either
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
 
@@ -97,6 +103,8 @@ class PhasePeaks:
 
     def start(self) -> None:
         if self.cuda:
+            import torch
+
             torch.cuda.reset_peak_memory_stats(self.device)
             return
         with self._lock:
@@ -107,11 +115,17 @@ class PhasePeaks:
 
     def current(self) -> float:
         """Memory in use now, GiB: allocated on CUDA, resident on CPU."""
-        return (torch.cuda.memory_allocated(self.device) if self.cuda else rss_bytes()) / 2**30
+        if self.cuda:
+            import torch
+
+            return torch.cuda.memory_allocated(self.device) / 2**30
+        return rss_bytes() / 2**30
 
     def stop(self) -> float:
         """Peak in GiB since `start()`."""
         if self.cuda:
+            import torch
+
             return torch.cuda.max_memory_allocated(self.device) / 2**30
         value = rss_bytes()
         with self._lock:

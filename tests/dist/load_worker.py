@@ -21,7 +21,7 @@ from sparserl.actor.actor import Actor, TrainBatch
 from sparserl.algo.loss import LossConfig
 from sparserl.parallel import ParallelDims, init_distributed, teardown
 from sparserl.engines.weight_sync import sync_weights
-from sparserl.trainer.batch import make_loss_fn
+from sparserl.trainer.loss import make_loss_fn
 
 PAD = 3  # the checkpoints' pad_token_id
 

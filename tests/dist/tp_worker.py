@@ -16,7 +16,7 @@ from sparserl.actor.actor import Actor, TrainBatch
 from sparserl.actor.vocab_parallel import vocab_parallel_logprobs
 from sparserl.algo.loss import LossConfig
 from sparserl.parallel import ParallelDims, init_distributed, teardown
-from sparserl.trainer.batch import make_loss_fn
+from sparserl.trainer.loss import make_loss_fn
 
 PAD = 3  # the checkpoints' pad_token_id: embedding rows with a padding_idx get no gradient
 

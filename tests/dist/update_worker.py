@@ -12,7 +12,8 @@ import torch.distributed as dist
 from sparserl.actor.actor import TrainBatch
 from sparserl.algo.loss import LossConfig
 from sparserl.parallel import ParallelDims, init_distributed, teardown
-from sparserl.trainer.batch import balance_ranks, make_loss_fn
+from sparserl.trainer.balance import balance_ranks
+from sparserl.trainer.loss import make_loss_fn
 from sparserl.actor.actor import Actor
 
 

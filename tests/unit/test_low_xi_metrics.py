@@ -1,5 +1,5 @@
 """`mismatch/low_xi_*`: the share of sampled tokens with xi = pi_old / pi_sparse < 0.1 (algo/correction.py),
-hand-computed on a tiny batch, and logged the same on both trainer paths (trainer/batch.py)."""
+hand-computed on a tiny batch, and logged the same on both trainer paths (trainer/advantages.py, old_logprobs.py)."""
 from __future__ import annotations
 
 import math
@@ -13,7 +13,8 @@ from sparserl.algo.correction import low_xi_metrics
 from sparserl.algo.loss import LossConfig
 from sparserl.config import AlgoConfig
 from sparserl.rollout.worker import Sample
-from sparserl.trainer.batch import FusedOldLogprobLoss, set_advantages
+from sparserl.trainer.advantages import set_advantages
+from sparserl.trainer.old_logprobs import FusedOldLogprobLoss
 
 F64 = torch.float64
 # xi per token (logp_sparse = 0, logp_old = log xi); the mask marks response tokens (padding after them).
