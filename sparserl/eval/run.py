@@ -22,7 +22,8 @@ from sparserl.data.dataset import format_prompt
 from sparserl.eval.datasets import EvalSet
 from sparserl.eval.metrics import SampleRecord, dataset_metrics
 from sparserl.engines.types import SamplingParams
-from sparserl.rollout.worker import Sample, rollout
+from sparserl.rollout.episode import Sample
+from sparserl.rollout.worker import rollout
 from sparserl.utils.errors import UserError
 from sparserl.utils.logging import progress
 from sparserl.utils.seed import derive

@@ -49,13 +49,9 @@ from typing import Any
 from sparserl.data.dataset import PromptRow
 from sparserl.engines.protocol import RolloutEngine, supports_sessions
 from sparserl.rollout.env_module import ModuleDriver
-# The env loop's vocabulary lives in episode.py; these names are imported from here by the trainer and tests.
-from sparserl.rollout.episode import (EnvCalls, EnvDriver, EnvTimeout, Opening, Sample, encode_text,  # noqa: F401
-                                      failure_status, row_extra)
+from sparserl.rollout.episode import EnvCalls, EnvDriver, Opening, Sample, failure_status, row_extra
 from sparserl.engines.types import Generation, GenerationRequest, SamplingParams
 from sparserl.utils.seed import turn_seed
-
-_EnvCalls = EnvCalls  # the name tests and older callers use
 
 log = logging.getLogger(__name__)
 

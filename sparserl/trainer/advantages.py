@@ -17,7 +17,7 @@ from sparserl.algo.advantages import compute_advantages
 from sparserl.algo.correction import dist_reduce_sum, low_xi_metrics
 from sparserl.algo.loss import LossConfig, kl_reward_penalty
 from sparserl.config import AlgoConfig
-from sparserl.rollout.worker import Sample
+from sparserl.rollout.episode import Sample
 from sparserl.trainer.train_batch import pad
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from sparserl.engines.protocol import EngineStats
-from sparserl.rollout.worker import Sample
+from sparserl.rollout.episode import Sample
 
 
 def gather_step_metrics(step: int, samples: list[Sample], rollout_metrics: dict, stats: EngineStats, batch, timers: dict,

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from sparserl.actor.actor import TrainBatch
 from sparserl.algo.correction import CorrectionConfig, explain
-from sparserl.rollout.worker import Sample
+from sparserl.rollout.episode import Sample
 
 MAX_RESPONSE_TOKENS = 4096
 MAX_PROMPT_CHARS = 4000

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from sparserl.actor.actor import TrainBatch
-from sparserl.rollout.worker import Sample
+from sparserl.rollout.episode import Sample
 
 
 def pad(rows: list[list[float]], T: int, device) -> torch.Tensor:

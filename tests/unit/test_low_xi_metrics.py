@@ -12,7 +12,7 @@ from sparserl.algo.aggregation import Normalizer
 from sparserl.algo.correction import low_xi_metrics
 from sparserl.algo.loss import LossConfig
 from sparserl.config import AlgoConfig
-from sparserl.rollout.worker import Sample
+from sparserl.rollout.episode import Sample
 from sparserl.trainer.advantages import set_advantages
 from sparserl.trainer.old_logprobs import FusedOldLogprobLoss
 

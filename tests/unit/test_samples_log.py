@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sparserl.algo.correction import CorrectionConfig
-from sparserl.rollout.worker import Sample
+from sparserl.rollout.episode import Sample
 from sparserl.trainer.samples import MAX_RESPONSE_TOKENS, LoggedRow, SampleLog, build_record, pick_rows
 
 ROOT = Path(__file__).resolve().parents[2]

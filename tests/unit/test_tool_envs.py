@@ -23,7 +23,8 @@ from sparserl.rollout.openreward.spec import EnvSpec
 from sparserl.rollout.tool_chat import ToolChat, ToolResult
 from sparserl.rollout.tool_parsers import get_parser
 from sparserl.engines.types import Generation, SamplingParams
-from sparserl.rollout.worker import Sample, _EnvCalls, encode_text, rollout
+from sparserl.rollout.episode import EnvCalls, Sample, encode_text
+from sparserl.rollout.worker import rollout
 
 CalcArithmetic, GuessNumber = environment_classes("envs/tool_use.py")
 _mod = __import__(CalcArithmetic.__module__, fromlist=["Expression"])
@@ -78,7 +79,7 @@ def _prompt_texts(server, tokenizer, rows) -> list[str]:
     envs = _envs(server.url, [_spec("local/CalcArithmetic"), _spec("local/GuessNumber")])
 
     async def go():
-        driver = envs.driver(tokenizer, _EnvCalls(60, None))
+        driver = envs.driver(tokenizer, EnvCalls(60, None))
         try:
             return await driver.open(rows, [r.prompt for r in rows], 1)
         finally:
@@ -196,7 +197,7 @@ def test_driver_turns_against_a_served_env(server, tokenizer):
             "<tool_call>{\"name\": \"calc\", \"arguments\": {\"expression\": \"6 * 7\"}}</tool_call>")
 
     async def go():
-        driver = envs.driver(tokenizer, _EnvCalls(30, None))
+        driver = envs.driver(tokenizer, EnvCalls(30, None))
         openings = await driver.open(rows, [r.prompt for r in rows], 2)
         assert [o.status for o in openings] == [None] * 4 and _open_sessions(server) == 4
         assert "<tools>" in tokenizer.decode(openings[0].prompt_ids) and task["question"] in tokenizer.decode(openings[0].prompt_ids)
@@ -384,7 +385,7 @@ def test_two_servers_in_one_process_stream_in_their_own_loops(server, tokenizer)
         rows = _rows([("local/CalcArithmetic", 0), ("other/CalcArithmetic", 0)])
 
         async def go():
-            driver = envs.driver(tokenizer, _EnvCalls(30, None))
+            driver = envs.driver(tokenizer, EnvCalls(30, None))
             openings = await driver.open(rows, [r.prompt for r in rows], 2)
             assert [o.status for o in openings] == [None] * 4
             assert _open_sessions(server) == 2 and _open_sessions(second) == 2
