@@ -1,0 +1,174 @@
+"""KV compaction of one request in a slot pool: its query window, the logical positions of what it holds, and
+the entries each layer and KV head keeps. Pure torch; both engines adapt it to their memory.
+
+The pool it works on is one tensor per layer, (slots, H_kv, D), keys post-RoPE, as the native engine's
+`k_cache` / `v_cache` and SGLang's `k_buffer` / `v_buffer` are; a request's n held entries are a (n,) long
+tensor of its slots in entry order (the native sequence's `slots`, SGLang's `req_to_token` row).
+
+- `QueryRing`: the last `window` queries of every layer per ring row (one row per running request),
+  (rows, window, H_q, D) per layer, allocated by the first capture. `plan` maps a forward's tokens to ring
+  places once; `capture` then writes a layer with one indexed copy. A row is read oldest query first, copied
+  out and back in (a held session), or copied from another row (a fork).
+- `CompactionState`: what a request carries between compactions: queries seen, the logical positions of the
+  entries kept last time, per layer and KV head (heads may keep different tokens, since keys carry their RoPE
+  already), and the logical position of the first entry appended after it; appended entries are consecutive.
+- `select_entries`: every layer's `score_tokens` (window queries against the held keys), then `select_keep`
+  per head, per layer (share=layer) or once per request over `reduce_scores` (share=all): per layer the
+  (H_kv, keep) entry indices and their logical positions.
+- `compact_entries`: the selection moved into the request's first `keep` slots, per layer and per head, and
+  recorded in the state. New tokens keep their logical positions; only slots are renumbered.
+
+An engine adapter supplies the slots and buffers, steps the `CompressionSchedule`, and frees the slots of
+entries keep..n-1 to its own allocator.
+Left out on purpose: slot allocation and freeing, triggers and admission (the engines' own), compressing at
+prefill, and batching the scoring across requests (each trigger is per request).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from sparserl.kv.base import KVPolicyConfig, reduce_scores, score_tokens, select_keep
+
+CaptureIndex = tuple[Tensor, Tensor, Tensor]  # (token in the forward, ring row, place in the row's window), long
+
+
+@dataclass
+class CompactionState:
+    """A request's compaction state (the engines extend it with their own bookkeeping)."""
+
+    queries_seen: int = 0  # tokens whose queries went through the ring; the window holds the last of them
+    kept_positions: Tensor | None = None  # (layers, H_kv, K) logical positions of the entries kept last time
+    appended_from: int = 0  # logical position of the first entry appended after the last compaction
+
+    def positions(self, n: int, num_layers: int, num_kv_heads: int, device) -> Tensor:
+        """(layers, H_kv, n) logical positions of the n held entries: the kept ones, then the appended ones."""
+        if self.kept_positions is None:
+            return torch.arange(n, device=device).expand(num_layers, num_kv_heads, n)
+        k = self.kept_positions.shape[-1]
+        tail = torch.arange(self.appended_from, self.appended_from + n - k, device=device)
+        return torch.cat([self.kept_positions, tail.expand(num_layers, num_kv_heads, -1)], dim=-1)
+
+
+class QueryRing:
+    """Per layer (rows, window, H_q, D): row r's query i sits at place i mod window."""
+
+    def __init__(self, num_layers: int, rows: int, window: int) -> None:
+        self.num_layers = num_layers
+        self.rows = rows
+        self.window = window
+        self.buffers: list[Tensor] | None = None  # per layer; None until the first capture (or after `release`)
+
+    @property
+    def allocated(self) -> bool:
+        return self.buffers is not None
+
+    def allocate(self, heads: int, dim: int, dtype: torch.dtype, device) -> None:
+        shape = (self.rows, self.window, heads, dim)
+        self.buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+
+    def release(self) -> None:
+        """Drop the buffers (the engine sleeps); the next capture allocates them again."""
+        self.buffers = None
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers) if self.buffers is not None else 0
+
+    def plan(self, computed: Iterable[tuple[int, CompactionState, int]], device) -> CaptureIndex:
+        """Where one forward's queries go. `computed`: (ring row, state, tokens computed) per request, in the
+        forward's token order; each request's last `window` tokens are stored, and its state counts them all."""
+        src, rows, places = [], [], []
+        tok = 0
+        for row, st, n in computed:
+            for i in range(n - min(n, self.window), n):
+                src.append(tok + i)
+                rows.append(row)
+                places.append((st.queries_seen + i) % self.window)
+            st.queries_seen += n
+            tok += n
+        return tuple(torch.tensor(x, dtype=torch.long, device=device) for x in (src, rows, places))
+
+    def capture(self, layer: int, q: Tensor, index: CaptureIndex) -> None:
+        """Store one layer's planned queries; q: (T, H_q, D) post-RoPE, T the forward's tokens."""
+        if self.buffers is None:
+            self.allocate(q.shape[1], q.shape[2], q.dtype, q.device)
+        src, rows, places = index
+        self.buffers[layer][rows, places] = q[src]
+
+    def window_order(self, queries_seen: int, n: int, device) -> Tensor:
+        """(w,) places of a row's last w = min(window, queries_seen, n) queries, oldest first."""
+        w = min(self.window, queries_seen, n)
+        return torch.tensor([(queries_seen - w + i) % self.window for i in range(w)], dtype=torch.long, device=device)
+
+    def read(self, layer: int, row: int, order: Tensor) -> Tensor:
+        """(H_q, w, D) the queries of `row` at `order` (see `window_order`)."""
+        return self.buffers[layer][row, order].transpose(0, 1)
+
+    def copy_out(self, row: int) -> Tensor | None:
+        """(layers, window, H_q, D) a copy of `row`, places as in the ring; None before any capture."""
+        return None if self.buffers is None else torch.stack([buf[row] for buf in self.buffers])
+
+    def copy_in(self, row: int, queries: Tensor) -> None:
+        """Write a `copy_out` result into `row`, allocating the buffers with its shape if needed."""
+        if self.buffers is None:
+            _, _, heads, dim = queries.shape
+            self.allocate(heads, dim, queries.dtype, queries.device)
+        for layer, buf in enumerate(self.buffers):
+            buf[row] = queries[layer]
+
+    def copy_row(self, src: int, dst: int) -> None:
+        if self.buffers is not None:
+            for buf in self.buffers:
+                buf[dst] = buf[src]
+
+
+def select_entries(cfg: KVPolicyConfig, state: CompactionState, ring: QueryRing, row: int, slots: Tensor,
+                   k_buffers: list[Tensor], keep: int) -> tuple[list[Tensor], Tensor]:
+    """Which of the n entries held in `slots` (n,) each layer and KV head keeps, scored with ring row `row`.
+
+    Returns per layer the (H_kv, keep) entry indices (rows sorted, the window last) and the (layers, H_kv, keep)
+    logical positions of those entries.
+    """
+    n = slots.shape[0]
+    num_layers, num_kv_heads = len(k_buffers), k_buffers[0].shape[1]
+    positions = state.positions(n, num_layers, num_kv_heads, slots.device)
+    order = ring.window_order(state.queries_seen, n, slots.device)
+    w = order.shape[0]
+    scores = []
+    for layer in range(num_layers):
+        keys = k_buffers[layer][slots].transpose(0, 1)  # (H_kv, n, D)
+        scores.append(score_tokens(cfg, keys, ring.read(layer, row, order), positions[layer]))
+    shared = cfg.share != "head"
+    norm = cfg.normalize_sums  # shared sets: normalized (paper) or raw (reference) score sums
+    if cfg.share == "all":
+        combined = reduce_scores(scores, norm).expand(num_kv_heads, -1)
+        indices = [select_keep(combined, keep, w, shared=True, normalize=norm)] * num_layers
+    else:
+        indices = [select_keep(layer_scores, keep, w, shared, norm) for layer_scores in scores]
+    kept = torch.stack([positions[layer].gather(1, idx) for layer, idx in enumerate(indices)])
+    return indices, kept
+
+
+@torch.inference_mode()
+def compact_entries(cfg: KVPolicyConfig, state: CompactionState, ring: QueryRing, row: int, slots: Tensor,
+                    k_buffers: list[Tensor], v_buffers: list[Tensor], keep: int, cached: int) -> Tensor:
+    """Compact the request held in `slots` (n,) to `keep` entries per layer and KV head, in place.
+
+    Head h of layer l ends with its j-th kept entry in `slots[j]`; the slots of entries keep..n-1 hold nothing
+    the request needs any more (the caller frees them). `cached`: the request's logical length, where the
+    entries appended from now on start. Returns the new kept positions, (layers, H_kv, keep), also in `state`.
+    """
+    indices, kept = select_entries(cfg, state, ring, row, slots, k_buffers, keep)
+    heads = torch.arange(k_buffers[0].shape[1], device=slots.device)[:, None]
+    dst = slots[:keep]
+    for layer, idx in enumerate(indices):
+        src = slots[idx]  # (H_kv, keep): the slot each head reads its j-th kept entry from
+        for buf in (k_buffers[layer], v_buffers[layer]):
+            gathered = buf[src, heads]  # (H_kv, keep, D), a copy, so the in-place write below is safe
+            buf[dst] = gathered.transpose(0, 1)
+    state.kept_positions = kept
+    state.appended_from = cached
+    return kept
