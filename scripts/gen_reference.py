@@ -3,11 +3,11 @@
     python scripts/gen_reference.py          # rewrite both pages
     python scripts/gen_reference.py --check  # exit 1, naming the stale pages, if either differs from the code
 
-docs/config.md lists every config key with its type, its default and its description. Keys, types and groups
-come from the dataclasses of sparserl/config.py; descriptions and valid values are what `--help` prints
-(`sparserl.cli.sections`: each field's comment plus `config_checks.RULES`); the defaults are the values a
-training run gets, loaded from configs/grpo.yaml over the schema as a run loads them. The other base configs
-(configs/eval.yaml, configs/gpu.yaml) and the presets are listed by the keys they change.
+docs/config.md lists every config key with its type, its default and its description. Keys, types, groups and
+defaults come from the dataclasses of sparserl/config.py (configs/grpo.yaml sets no value; the page loads it as a
+run does, which gives the same); descriptions and valid values are what `--help` prints (`sparserl.cli.sections`:
+each field's `help` metadata plus `config_checks.RULES`). The other base configs (configs/eval.yaml,
+configs/gpu.yaml) and the presets are listed by the keys they change.
 docs/metrics.md renders `sparserl.trainer.metric_names`, the registry of every metric a run logs.
 tests/unit/test_reference_docs.py regenerates both pages in memory and fails when a committed page differs.
 """
@@ -59,7 +59,6 @@ def _flat(cfg: Config) -> dict[str, Any]:
 
 def config_page() -> str:
     cfg = load_config([], config_name=TRAIN_CONFIG)
-    schema = _flat(Config())
     groups = [s for s in sections(cfg) if s.key]
     lines = [
         "# Configuration reference",
@@ -73,8 +72,8 @@ def config_page() -> str:
         "`--help` prints these keys and descriptions with the values of the config at hand, and `--cfg job` the "
         "whole resolved config.",
         "",
-        f"**Default** is what a training run gets: configs/{TRAIN_CONFIG}.yaml over the schema of sparserl/config.py. "
-        f"Where configs/{TRAIN_CONFIG}.yaml changes the schema's value, the cell says so and gives the schema's. "
+        "**Default** is what a training run gets: the schema's default (sparserl/config.py; "
+        f"configs/{TRAIN_CONFIG}.yaml sets no value). "
         "Values in [brackets] are the valid ones, checked before a run starts (sparserl/config_checks.py); a bad "
         "key or value stops the run with one `error:` line.",
         "",
@@ -86,11 +85,7 @@ def config_page() -> str:
         if s.doc:
             lines += [_cell(s.doc), ""]
         lines += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
-        for k in s.keys:
-            default = _code(k.value)
-            if k.value != schema[k.key]:
-                default += f" (configs/{TRAIN_CONFIG}.yaml; schema: {_code(schema[k.key])})"
-            lines.append(f"| `{k.key}` | `{_cell(k.type)}` | {default} | {_cell(k.help)} |")
+        lines += [f"| `{k.key}` | `{_cell(k.type)}` | {_code(k.value)} | {_cell(k.help)} |" for k in s.keys]
     lines += _base_configs(cfg) + _presets(cfg)
     return "\n".join(lines) + "\n"
 

@@ -7,24 +7,18 @@ the caller then exits 0. Under torchrun only rank 0 prints. `--config-name NAME`
 configs/NAME.yaml instead of the entry point's own base config (grpo for training, eval for evaluation), e.g.
 `--config-name gpu` for the paper's GPU settings. Anything else that starts with `-` is a UserError. The help
 text is generated: keys and values from the dataclasses of `sparserl/config.py` and the loaded config,
-descriptions from the trailing `# comment` of each field in that file's source, valid values from
-`config_checks.RULES`. A key without a comment is listed without a description. `sections()` is that text as
-data; scripts/gen_reference.py renders docs/config.md from it.
+descriptions from each field's `help` metadata (`opt(default, help)`; a group's from the field holding it),
+valid values from `config_checks.RULES`. A key without help is listed without a description. `sections()` is
+that text as data; scripts/gen_reference.py renders docs/config.md from it.
 
 Left out on purpose: the rest of Hydra's command line (`--multirun`, `--cfg hydra`, `--config-path`, tab
 completion, `hydra.*` run directories): a run writes to `trainer.output_dir` and nowhere else.
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-import inspect
-import io
 import os
 import sys
-import textwrap
-import tokenize
 from typing import Any
 
 from sparserl.config import CONFIG_DIR, Config, base_configs, load_config, to_yaml
@@ -109,15 +103,15 @@ def _prog() -> str:
 @dataclasses.dataclass(frozen=True)
 class KeyDoc:
     key: str  # dotted name, as set on the command line
-    type: str  # the field's annotation in sparserl/config.py
+    type: str  # the field's annotation in its dataclass
     value: Any  # its value in the loaded config
-    help: str  # the field's comment, with config_checks.RULES's valid values where the comment does not list them
+    help: str  # the field's help, with config_checks.RULES's valid values where the help does not list them
 
 
 @dataclasses.dataclass(frozen=True)
 class Section:
     key: str  # the group's dotted name; '' for the root
-    doc: str  # the first line of the group's docstring, if it has one
+    doc: str  # the help of the field holding the group, if it has one
     keys: tuple[KeyDoc, ...]
 
 
@@ -129,43 +123,17 @@ def sections(cfg: Config) -> list[Section]:
 
 
 def _walk(node, key: str, doc: str, out: list[Section]) -> None:
-    comments = field_comments(type(node))
     keys, groups = [], []
     for f in dataclasses.fields(node):
         value, name = getattr(node, f.name), f"{key}.{f.name}" if key else f.name
+        text = f.metadata.get("help", "")
         if dataclasses.is_dataclass(value):
-            groups.append((name, value))
+            groups.append((name, value, text))
             continue
-        text = comments.get(f.name, "")
         rule = RULES.get(name)
         if rule is not None and not (rule.names and all(n in text for n in rule.names)):
             text = f"{text} [{rule.desc}]" if text else f"[{rule.desc}]"
         keys.append(KeyDoc(name, str(f.type), value, text))
     out.append(Section(key, doc, tuple(keys)))
-    for name, value in groups:
-        first = (inspect.getdoc(type(value)) or "").split("\n")[0]
-        first = "" if first.startswith(type(value).__name__ + "(") else first  # dataclasses' generated signature
-        _walk(value, name, first, out)
-
-
-@functools.cache
-def field_comments(cls: type) -> dict[str, str]:
-    """Each field's `# comment` in the source of dataclass `cls`: the one ending its line, else the comment
-    lines right above it."""
-    source = textwrap.dedent(inspect.getsource(cls))
-    trailing, above = {}, {}
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            own_line = tok.line.lstrip().startswith("#")
-            (above if own_line else trailing)[tok.start[0]] = tok.string.lstrip("#").strip()
-    out = {}
-    for node in ast.parse(source).body[0].body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            text = trailing.get(node.end_lineno) or trailing.get(node.lineno)
-            if text is None:
-                first = node.lineno
-                while first - 1 in above:
-                    first -= 1
-                text = " ".join(above[n] for n in range(first, node.lineno))
-            out[node.target.id] = text
-    return out
+    for name, value, text in groups:
+        _walk(value, name, text, out)

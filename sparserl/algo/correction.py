@@ -40,41 +40,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from sparserl.algo.correction_config import CorrectionConfig  # noqa: F401  (re-exported; imports no torch)
+
 LOG_RATIO_CLAMP = 20.0
 LOW_XI = 0.1  # the threshold of `low_xi_metrics`
 Reduce = Callable[[Tensor], Tensor]
-
-
-@dataclass
-class CorrectionConfig:
-    """`algo.correction.*`. A bound set to None (or a cap set to None/0) switches that piece off."""
-
-    enable: bool = True
-    mode: str = "apply"  # "apply" | "measure": compute every metric, change nothing
-    is_cap: float | None = 1.5
-    is_batch_normalize: bool = True
-    normalize_over: str = "kept"  # "kept": mean over surviving tokens | "all": over every response token (reference)
-    apply_to_kl: bool = False
-    veto: float | None = 1e-4
-    token_low: float | None = 0.5
-    token_high: float | None = 1.5
-    geo_low: float | None = None
-    geo_high: float | None = None
-    rejected_in_baseline: bool = True
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("apply", "measure"):
-            raise ValueError(f"algo.correction.mode must be 'apply' or 'measure', got {self.mode!r}")
-        if self.normalize_over not in ("kept", "all"):
-            raise ValueError(f"algo.correction.normalize_over must be 'kept' or 'all', got {self.normalize_over!r}")
-        for key in ("is_cap", "veto", "token_low", "token_high", "geo_low", "geo_high"):
-            value = getattr(self, key)
-            if value is not None and value < 0:
-                raise ValueError(f"algo.correction.{key} must be >= 0 or None, got {value}")
-        for lo, hi in (("token_low", "token_high"), ("geo_low", "geo_high")):
-            a, b = getattr(self, lo), getattr(self, hi)
-            if a is not None and b is not None and a > b:
-                raise ValueError(f"algo.correction.{lo}={a} must be <= algo.correction.{hi}={b}")
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""KV-compression core: the policy config, the policy registry, and the selection step every policy shares.
+"""KV-compression core: the policy registry and the selection step every policy shares (the policy config,
+`KVPolicyConfig`, lives in the torch-free sparserl/kv/policy.py and is re-exported here).
 
 A policy scores the cached entries of ONE request in ONE layer; `select_keep` turns those scores into the
 indices to keep. The caller (an engine) gathers keys/values at those indices and frees the rest.
@@ -21,16 +22,14 @@ per-layer budgets (PyramidKV-style), and learned scorers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import sys
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-DIVIDE_METHODS = ("step_length", "newline")
-SHARE_MODES = ("head", "layer", "all")
-VARIANTS = ("paper", "reference")
+from sparserl.kv.policy import DIVIDE_METHODS, SHARE_MODES, VARIANTS, KVPolicyConfig  # noqa: F401  (re-exported)
 
 # fn(cfg, keys (H_kv, L, D) f32, queries (H_q, W, D) f32, positions (H_kv, L) long) -> (H_kv, L - n_window) f32:
 # scores of the candidate entries only; the window is handled by `score_tokens` / `select_keep`.
@@ -62,57 +61,18 @@ def register_policy(name: str, variant: str = "paper") -> Callable[[PolicyFn], P
     return add
 
 
-def _require(ok: bool, field: str, value: object, why: str) -> None:
-    if not ok:
-        raise ValueError(f"KVPolicyConfig.{field}={value!r} {why}")
-
-
-@dataclass(frozen=True)
-class KVPolicyConfig:
-    algorithm: str = "none"  # none | any name in POLICIES (rkv, snapkv, streaming built in)
-    budget: int = 512  # entries a request keeps after a compression, window included
-    window: int = 8  # last `window` cached tokens: always kept; their queries score the rest
-    divide_method: str = "step_length"  # step_length | newline
-    divide_length: int = 128
-    mix_lambda: float = 0.1  # rkv: score = lambda * importance - (1 - lambda) * redundancy
-    kernel: int = 7  # max-pool kernel over the token axis (odd, so pooling keeps the length)
-    sim_threshold: float = 0.5  # rkv: cosine similarity above which two keys count as near-duplicates
-    sinks: int = 4  # streaming: attention-sink tokens kept at the start
-    share: str = "head"  # head: per-KV-head sets | layer: one set per layer | all: one set per request
-    compress_prompt: bool = False  # may the prompt be compressed below its own length
-    variant: str = "paper"  # paper: score as the papers do | reference: exactly as the public R-KV / Sparse-RL code
-
-    def __post_init__(self) -> None:
-        valid = ("none", *sorted(POLICIES))
-        _require(self.algorithm in valid, "algorithm", self.algorithm,
-                 f"is not a known policy; valid: {', '.join(valid)}")
-        _require(isinstance(self.window, int) and self.window >= 1, "window", self.window, "must be an int >= 1")
-        _require(isinstance(self.budget, int) and self.budget > self.window, "budget", self.budget,
-                 f"must be an int > window ({self.window}): the window alone would fill it")
-        _require(self.divide_method in DIVIDE_METHODS, "divide_method", self.divide_method,
-                 f"is not valid; valid: {', '.join(DIVIDE_METHODS)}")
-        _require(isinstance(self.divide_length, int) and self.divide_length >= 1, "divide_length",
-                 self.divide_length, "must be an int >= 1")
-        _require(0.0 <= self.mix_lambda <= 1.0, "mix_lambda", self.mix_lambda, "must be in [0, 1]")
-        _require(isinstance(self.kernel, int) and self.kernel >= 1 and self.kernel % 2 == 1, "kernel", self.kernel,
-                 "must be an odd int >= 1 (an even kernel would shift the pooled scores by one token)")
-        _require(-1.0 <= self.sim_threshold <= 1.0, "sim_threshold", self.sim_threshold, "must be in [-1, 1]")
-        _require(isinstance(self.sinks, int) and self.sinks >= 0, "sinks", self.sinks, "must be an int >= 0")
-        if self.algorithm == "streaming":
-            _require(self.sinks <= self.budget - self.window, "sinks", self.sinks,
-                     f"must be <= budget - window ({self.budget - self.window}) so every sink fits")
-        _require(self.share in SHARE_MODES, "share", self.share, f"is not valid; valid: {', '.join(SHARE_MODES)}")
-        _require(isinstance(self.compress_prompt, bool), "compress_prompt", self.compress_prompt, "must be a bool")
-        _require(self.variant in VARIANTS, "variant", self.variant, f"is not valid; valid: {', '.join(VARIANTS)}")
-
-    @property
-    def normalize_sums(self) -> bool:
-        """Shared sets sum min-max-normalized rows (paper), or raw scores as the reference code does (reference)."""
-        return self.variant == "paper"
+def register_builtins() -> None:
+    """Import the built-in policies, which register themselves (`sparserl.kv` does it before handing out any of
+    this module's names; `policy_fn` does it for code that imports this module directly)."""
+    import sparserl.kv.rkv  # noqa: F401
+    import sparserl.kv.snapkv  # noqa: F401
+    import sparserl.kv.streaming  # noqa: F401
 
 
 def policy_fn(cfg: KVPolicyConfig) -> PolicyFn:
     """The scoring function of `cfg.algorithm` under `cfg.variant` (the paper's where no reference one exists)."""
+    if cfg.algorithm not in POLICIES:
+        register_builtins()
     if cfg.variant == "reference" and cfg.algorithm in REFERENCE_POLICIES:
         return REFERENCE_POLICIES[cfg.algorithm]
     return POLICIES[cfg.algorithm]
@@ -221,3 +181,9 @@ def reduce_scores(scores_list: list[Tensor], normalize: bool = True) -> Tensor:
     for scores in scores_list[1:]:
         total = total + norm(scores.float())
     return total
+
+
+# Importing this module registers the built-in policies, unless one of them is what is importing it (a policy
+# module imports this one first; `register_builtins` then runs on first use).
+if not any(m in sys.modules for m in ("sparserl.kv.rkv", "sparserl.kv.snapkv", "sparserl.kv.streaming")):
+    register_builtins()

@@ -1,11 +1,13 @@
-"""The trainer's input checks: everything a user can get wrong, found before torch is imported or a file written.
+"""The trainer's input checks on the filesystem, the data, the model and the installed packages: everything a user
+can get wrong that the config alone does not show, found before torch is imported or a file written.
 
-`validate_inputs` runs on every rank right after the config loaded (`config_checks` has range-checked its
-values by then): the SGLang settings, `trainer.output_dir` (a folder this process can write, or can create;
-it is not created here), `trainer.resume`, the env module, every data row, the eval sets of
-`trainer.eval_every`, and last the model path (the one check that imports torch): safetensors weights (pickle
-files only with `model.allow_pickle_weights=true`) and free disk for one checkpoint in `trainer.output_dir`. Each failure is a
-`UserError` naming the key or the file and row.
+`validate_inputs` runs on every rank right after the config loaded; every check of a config VALUE (ranges,
+enums, keys that must agree) has run by then, in sparserl/config_checks.py, and none is repeated here. What is
+left is what needs the machine: SGLang installed with its plugins (rollout.engine=sglang), `trainer.output_dir`
+(a folder this process can write, or can create; it is not created here), `trainer.resume`, the env module,
+every data row, the eval sets of `trainer.eval_every`, and last the model path (the one check that imports
+torch): safetensors weights (pickle files only with `model.allow_pickle_weights=true`) and free disk for one
+checkpoint in `trainer.output_dir`. Each failure is a `UserError` naming the key or the file and row.
 
 Left out on purpose: checks that need the model or the world (tensor-parallel divisibility, the chat
 template, prompt lengths), which run where the model and tokenizer are loaded.

@@ -11,17 +11,19 @@ import torch
 import torch.distributed as dist
 
 from sparserl.actor.actor import Actor
+from sparserl.algo import CorrectionConfig
 from sparserl.algo.loss import LossConfig
-from sparserl.config import AlgoConfig, CorrectionSettings
+from sparserl.config import AlgoConfig
 from sparserl.parallel import ParallelDims, init_distributed, teardown
-from sparserl.trainer.batch import FusedOldLogprobLoss, apply_correction, make_loss_fn
+from sparserl.trainer.loss import apply_correction, make_loss_fn
+from sparserl.trainer.old_logprobs import FusedOldLogprobLoss
 from tests.dist.update_worker import fixed_batch
 
 CASES = {
-    "off": CorrectionSettings(enable=False),
-    "kept": CorrectionSettings(enable=True, normalize_over="kept"),
-    "all": CorrectionSettings(enable=True, normalize_over="all"),
-    "kl_weighted": CorrectionSettings(enable=True, apply_to_kl=True),
+    "off": CorrectionConfig(enable=False),
+    "kept": CorrectionConfig(enable=True, normalize_over="kept"),
+    "all": CorrectionConfig(enable=True, normalize_over="all"),
+    "kl_weighted": CorrectionConfig(enable=True, apply_to_kl=True),
 }
 
 

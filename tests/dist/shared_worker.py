@@ -11,10 +11,12 @@ import torch
 import torch.distributed as dist
 
 from sparserl.actor.actor import Actor, TrainBatch
+from sparserl.algo import CorrectionConfig
 from sparserl.algo.loss import LossConfig
-from sparserl.config import AlgoConfig, CorrectionSettings
+from sparserl.config import AlgoConfig
 from sparserl.parallel import ParallelDims, init_distributed, teardown
-from sparserl.trainer.batch import FusedOldLogprobLoss, balance_ranks
+from sparserl.trainer.balance import balance_ranks
+from sparserl.trainer.old_logprobs import FusedOldLogprobLoss
 
 
 def full_batch() -> TrainBatch:
@@ -52,7 +54,7 @@ def main() -> None:
     mine = list(range(info.rank * n // info.world_size, (info.rank + 1) * n // info.world_size))
     if info.world_size == 2 and len(sys.argv) > 3 and sys.argv[3] == "skewed":
         mine = list(range(9)) if info.rank == 0 else list(range(9, n))
-    algo = AlgoConfig(loss_agg="token", correction=CorrectionSettings(enable=True))
+    algo = AlgoConfig(loss_agg="token", correction=CorrectionConfig(enable=True))
     loss_cfg = LossConfig(loss_agg="token", clip_low=0.2, clip_high=0.28)
     results = {}
     for share in (False, True):

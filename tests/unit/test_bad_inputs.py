@@ -18,8 +18,8 @@ import pytest
 import torch
 import yaml
 
-from sparserl.config import Config
-from sparserl.config_checks import FREE, RULES
+from sparserl.config import RENAMED, leaf_keys
+from sparserl.config_checks import FREE, RANGES, RULES
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = 4  # subprocesses at once: most of their time is interpreter start-up and imports
@@ -117,6 +117,23 @@ CASES = [
      "rollout.kv.sinks=10 must be <="),
     ("rollout.kv.share", ["rollout.kv.share=batch"], "rollout.kv.share=batch"),
     ("rollout.kv.variant", ["rollout.kv.variant=official"], "rollout.kv.variant=official: must be one of paper, reference"),
+    ("rollout.sglang.mem_fraction_static", ["rollout.sglang.mem_fraction_static=1"],
+     "rollout.sglang.mem_fraction_static=1.0: must be in (0, 1)"),
+    ("rollout.sglang.chunked_prefill_size", ["rollout.sglang.chunked_prefill_size=-1"],
+     "rollout.sglang.chunked_prefill_size=-1: must be >= 0"),
+    ("rollout.sglang.weight_bucket_mb", ["rollout.sglang.weight_bucket_mb=0"], "rollout.sglang.weight_bucket_mb=0.0: must be > 0"),
+    # keys folded into others: the one line names the key that replaced each
+    ("renamed.sglang_dtype", ["rollout.sglang.dtype=bfloat16"],
+     "rollout.sglang.dtype was folded into rollout.dtype (it sets both engines); use rollout.dtype=..."),
+    ("renamed.sglang_release_weights", ["rollout.sglang.release_weights=false"],
+     "rollout.sglang.release_weights was folded into rollout.release_weights (it sets both engines); "
+     "use rollout.release_weights=..."),
+    ("renamed.sglang_max_total_tokens", ["rollout.sglang.max_total_tokens=4096"],
+     "rollout.sglang.max_total_tokens was folded into rollout.kv_pool_tokens (it sets both engines); "
+     "use rollout.kv_pool_tokens=..."),
+    ("renamed.sglang_max_running_requests", ["+rollout.sglang.max_running_requests=8"],
+     "rollout.sglang.max_running_requests was folded into rollout.max_num_seqs (it sets both engines); "
+     "use rollout.max_num_seqs=..."),
     ("actor.lr", ["actor.lr=-1"], "actor.lr=-1.0: must be >= 0"),
     ("actor.lr_nan", ["actor.lr=nan"], "actor.lr=nan: must be a finite number >= 0"),
     ("actor.weight_decay", ["actor.weight_decay=-0.1"], "actor.weight_decay=-0.1"),
@@ -300,24 +317,32 @@ def test_cfg_job_prints_the_resolved_config(results):
     assert cfg["trainer"]["output_dir"] == str(out)
 
 
-def schema_keys(cls=Config, prefix="") -> set[str]:
-    keys = set()
-    for f in dataclasses.fields(cls):
-        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-        if sub is not None and dataclasses.is_dataclass(sub):
-            keys |= schema_keys(sub, f"{prefix}{f.name}.")
-        else:
-            keys.add(f"{prefix}{f.name}")
-    return keys
-
-
 def test_every_key_has_a_rule_or_is_free_and_every_rule_a_case():
-    keys = {k for k in schema_keys() if not k.startswith("rollout.sglang.")}  # checked by the SGLang backend
+    keys = set(leaf_keys())
     assert not set(RULES) - keys, "rules for keys the schema does not have"
+    assert not set(RANGES) - keys, "hand-written rules for keys the schema does not have"
     assert not set(FREE) & set(RULES)
     assert keys == set(RULES) | set(FREE), f"keys without a rule: {sorted(keys - set(RULES) - set(FREE))}"
     tested = {c[0] for c in CASES} | {a.split("=")[0] for c in CASES for a in c[1]}
     assert not set(RULES) - tested, f"rules without a case: {sorted(set(RULES) - tested)}"
+    assert set(RENAMED) <= {a.split("=")[0].lstrip("+") for c in CASES for a in c[1]}, "renamed keys without a case"
+    assert not set(RENAMED) & keys and set(new for new, _ in RENAMED.values()) <= keys
+
+
+def test_enum_names_are_declared_with_their_fields_and_ranges_are_not_enums():
+    """An enum's names live in its field's metadata only: the hand-written table has no enum left."""
+    from sparserl.config import Config, group_type
+
+    def fields(cls=Config, prefix=""):
+        for f in dataclasses.fields(cls):
+            sub = group_type(cls, f.name)
+            yield from fields(sub, f"{prefix}{f.name}.") if sub is not None else [(f"{prefix}{f.name}", f)]
+
+    declared = {key for key, f in fields() if f.metadata.get("choices")}
+    assert not declared & set(RANGES)
+    assert declared <= set(RULES) and {k for k, r in RULES.items() if r.names} - {"trainer.resume"} <= declared
+    for key, f in fields():
+        assert f.metadata.get("help") or key in ("eval.top_p", "eval.max_new_tokens"), f"{key} has no help text"
 
 
 def test_listed_names_match_their_registries():

@@ -1,7 +1,9 @@
 """The base configs: configs/gpu.yaml (the Sparse-RL paper's GPU settings) composes and passes every config check on
 a machine without a GPU, `--config-name` selects a base config on every entry point, and the paper's recipe
 scripts start from it with their variables still working (run through a stand-in `torchrun` that prints the
-resolved config instead of training)."""
+resolved config instead of training). The schema holds every default (configs/grpo.yaml sets none), a renamed
+key in a YAML names its replacement, and the config dataclasses the library builds raise the command line's
+errors."""
 from __future__ import annotations
 
 import os
@@ -12,8 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sparserl.algo import CorrectionConfig
 from sparserl.cli import parse_cli
 from sparserl.config import base_configs, load_config
+from sparserl.config_checks import ConfigError
+from sparserl.kv import KVPolicyConfig
 from sparserl.utils.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,3 +102,54 @@ def test_recipes_start_from_the_gpu_config(tmp_path):
     cfg = recipe(tmp_path, "paper.sh", MODEL_PATH="/ckpt/M", MODE="dense", DATA="mine", DATA_DIR="/data", RUN="/runs/a")
     assert cfg["rollout"]["kv"]["algorithm"] == "none" and not cfg["algo"]["correction"]["enable"]
     assert cfg["data"]["train_path"] == "/data/mine.jsonl" and cfg["trainer"]["output_dir"] == "/runs/a"
+
+
+def test_the_dataclasses_hold_every_default_and_grpo_yaml_sets_none():
+    """configs/grpo.yaml only names the schema: a training run's defaults are the dataclasses' (sparserl/config.py),
+    so the YAML and the dataclasses cannot disagree."""
+    from sparserl.config import CONFIG_DIR, Config
+
+    assert yaml.safe_load((CONFIG_DIR / "grpo.yaml").read_text()) == {"defaults": ["sparserl_schema", "_self_"]}
+    assert load_config([]) == Config()
+
+
+def test_the_schema_has_125_leaf_keys(capsys):
+    from sparserl.config import leaf_keys
+
+    keys = leaf_keys()
+    with capsys.disabled():
+        print(f"\nconfig leaf keys: {len(keys)}")
+    assert len(keys) == len(set(keys)) == 125  # 129 before the four rollout.sglang.* duplicates were folded
+
+
+def test_a_renamed_key_in_a_yaml_names_its_replacement(tmp_path):
+    import shutil
+
+    from sparserl.config import CONFIG_DIR
+
+    folder = tmp_path / "configs"
+    shutil.copytree(CONFIG_DIR, folder)
+    (folder / "preset" / "old.yaml").write_text("# @package _global_\nrollout:\n  sglang:\n    max_total_tokens: 4096\n")
+    (folder / "old.yaml").write_text("defaults:\n  - sparserl_schema\n  - _self_\nrollout:\n  sglang:\n    dtype: bfloat16\n")
+    with pytest.raises(UserError, match=r"^rollout.sglang.max_total_tokens was folded into rollout.kv_pool_tokens "
+                                        r"\(it sets both engines\); use rollout.kv_pool_tokens=...$"):
+        load_config(["+preset=old"], config_dir=folder)
+    with pytest.raises(UserError, match=r"^rollout.sglang.dtype was folded into rollout.dtype"):
+        load_config([], config_name="old", config_dir=folder)
+
+
+@pytest.mark.parametrize("overrides, build", [
+    (["rollout.kv.kernel=4"], lambda: KVPolicyConfig(kernel=4)),
+    (["rollout.kv.budget=8"], lambda: KVPolicyConfig(budget=8)),
+    (["algo.correction.mode=log"], lambda: CorrectionConfig(mode="log")),
+    (["algo.correction.geo_low=2", "algo.correction.geo_high=1"], lambda: CorrectionConfig(geo_low=2.0, geo_high=1.0)),
+])
+def test_config_dataclasses_built_in_code_raise_what_the_command_line_does(overrides, build):
+    """rollout.kv is KVPolicyConfig and algo.correction is CorrectionConfig: one set of checks, one wording, a
+    ValueError for library callers and a UserError for the entry points."""
+    with pytest.raises(ConfigError) as built:
+        build()
+    assert isinstance(built.value, ValueError) and isinstance(built.value, UserError)
+    with pytest.raises(UserError) as loaded:
+        load_config(overrides)
+    assert str(built.value) == str(loaded.value)

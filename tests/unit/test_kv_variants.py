@@ -16,7 +16,7 @@ from sparserl.kv.rkv import rkv_redundancy, rkv_reference_redundancy
 from sparserl.engines.native.engine import NativeEngine
 from sparserl.engines.sglang.kv_compactor import KVCompactor
 from sparserl.engines.types import GenerationRequest, SamplingParams
-from sparserl.trainer.setup import kv_policy
+from sparserl.launch.engines import kv_policy
 from tests.conftest import tiny_model
 
 
@@ -147,7 +147,7 @@ def test_paper_is_the_default_and_streaming_has_one_scoring():
 
 
 def test_bad_variants_are_refused():
-    with pytest.raises(ValueError, match=r"KVPolicyConfig.variant='official' is not valid; valid: paper, reference"):
+    with pytest.raises(ValueError, match=r"rollout.kv.variant=official: must be one of paper, reference"):
         KVPolicyConfig(algorithm="rkv", variant="official")
     with pytest.raises(ValueError, match="needs the policy registered first"):
         register_policy("h2o", variant="reference")(lambda *a: None)

@@ -5,8 +5,8 @@
   distribution's log-prob and draws are seeded per sequence (loaded by SGLang through an entry point).
 - `draw.py`: the seeded draw itself, pure tensor code.
 - `kv_backend.py`: the `sparserl_kv` attention backend and scheduler hooks SGLang loads (entry point) for KV
-  compression that frees evicted slots; `kv_compactor.py` (selection via `sparserl.kv` and compaction) and
-  `kv_records.py` (what the engine reads back) are pure torch / Python.
+  compression that frees evicted slots; `kv_compactor.py` (triggers, and `sparserl/kv/compaction.py` mapped
+  onto SGLang's pool) and `kv_records.py` (what the engine reads back) are pure torch / Python.
 
 This package's `__init__` does not import sglang: `check_config` runs in the trainer's input validation,
 before anything is written, also where sglang is absent.
@@ -26,7 +26,9 @@ KV_ENV = "SPARSERL_SGLANG_KV"  # JSON policy / base backend for SGLang processes
 
 
 def check_config(cfg) -> None:
-    """User errors of `rollout.engine=sglang`, as one line naming the key; imports nothing heavy."""
+    """What `rollout.engine=sglang` needs of this machine, as one line naming the key: SGLang installed, sparserl's
+    plugins registered, and settings this engine cannot run (quantized rollouts). The values of `rollout.sglang.*`
+    are checked with the rest of the config (sparserl/config_checks.py). Imports nothing heavy."""
     if importlib.util.find_spec("sglang") is None:
         raise UserError(f"rollout.engine=sglang needs SGLang, which is not installed: {INSTALL_HINT}")
     if not plugin_installed():
@@ -42,14 +44,6 @@ def check_config(cfg) -> None:
         raise UserError(f"rollout.quantization={cfg.rollout.quantization}: quantized rollouts run in the native engine only "
                         "(SGLang 0.5.23 does not re-quantize weights pushed by update_weights_from_tensor); use "
                         "rollout.engine=native or rollout.quantization=none")
-    s = cfg.rollout.sglang
-    if not 0.0 < s.mem_fraction_static < 1.0:
-        raise UserError(f"rollout.sglang.mem_fraction_static={s.mem_fraction_static} must be in (0, 1)")
-    if s.weight_bucket_mb <= 0:
-        raise UserError(f"rollout.sglang.weight_bucket_mb={s.weight_bucket_mb} must be positive")
-    for key in ("max_total_tokens", "max_running_requests", "chunked_prefill_size"):
-        if getattr(s, key) < 0:
-            raise UserError(f"rollout.sglang.{key}={getattr(s, key)} must be >= 0")
 
 
 def plugin_installed(value: str = PLUGIN_VALUE) -> bool:
