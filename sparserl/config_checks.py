@@ -24,7 +24,7 @@ it has been loaded.
 
 Left out on purpose: checks that need the filesystem, the world size, an installed package or a model
 (`trainer/preflight.py`, the SGLang backend's `check_config` and the code that meets them do those), `eval.k`
-against `eval.n` and the eval sets (sparserl/eval/datasets.py), and type errors on the command line (OmegaConf
+the eval sets (sparserl/eval/datasets.py), and type errors on the command line (OmegaConf
 rejects `actor.lr=abc` while composing; `check_section` repeats the type check for dataclasses built in code).
 """
 from __future__ import annotations
@@ -295,10 +295,16 @@ def _correction_bounds(corr: Any, p: str) -> None:
     _ordered(corr, p, "geo_low", "geo_high")
 
 
+def _k_within_n(ev: Any, p: str) -> None:
+    if any(k > ev.n for k in ev.k):
+        raise ConfigError(f"{p}.k={show(list(ev.k))}: every k must be in [1, {p}.n={ev.n}] (pass@k needs n >= k samples)")
+
+
 # Checks relating keys of one group: fn(node, prefix), run by check_section after the group's rules.
 SECTION_CHECKS: dict[str, tuple[Callable[[Any, str], None], ...]] = {
     "rollout.kv": (_kv_fits,),
     "algo.correction": (_correction_bounds,),
+    "eval": (_k_within_n,),
 }
 
 

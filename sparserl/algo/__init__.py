@@ -16,7 +16,7 @@ _MODULES = {
     "sparserl.algo.advantages": ("ADV_ESTIMATORS", "compute_advantages", "register_adv_estimator"),
     "sparserl.algo.aggregation": ("LOSS_AGG", "Normalizer", "aggregate", "count_normalizer", "masked_mean",
                                   "register_loss_agg"),
-    "sparserl.algo.correction": ("Correction", "DistReduceSum", "correct", "dist_reduce_max", "dist_reduce_sum"),
+    "sparserl.algo.correction": ("Correction", "DistReduceSum", "correct", "dist_reduce_sum"),
     "sparserl.algo.kl": ("KL_ESTIMATORS", "kl_estimate", "register_kl_estimator"),
     "sparserl.algo.loss": ("LossConfig", "kl_reward_penalty", "policy_objective"),
     "sparserl.algo.policy_loss": ("POLICY_LOSSES", "ppo_clip", "register_policy_loss"),
@@ -26,7 +26,7 @@ _LAZY = {name: module for module, names in _MODULES.items() for name in names}
 __all__ = [
     "ADV_ESTIMATORS", "compute_advantages", "register_adv_estimator",
     "LOSS_AGG", "Normalizer", "aggregate", "count_normalizer", "masked_mean", "register_loss_agg",
-    "Correction", "CorrectionConfig", "DistReduceSum", "correct", "dist_reduce_max", "dist_reduce_sum",
+    "Correction", "CorrectionConfig", "DistReduceSum", "correct", "dist_reduce_sum",
     "KL_ESTIMATORS", "kl_estimate", "register_kl_estimator",
     "LossConfig", "kl_reward_penalty", "policy_objective",
     "POLICY_LOSSES", "ppo_clip", "register_policy_loss",

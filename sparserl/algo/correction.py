@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from sparserl.algo.correction_config import CorrectionConfig  # noqa: F401  (re-exported; imports no torch)
+from sparserl.algo.correction_config import CorrectionConfig
 
 LOG_RATIO_CLAMP = 20.0
 LOW_XI = 0.1  # the threshold of `low_xi_metrics`
@@ -85,10 +85,6 @@ class DistReduceSum:
 
 def dist_reduce_sum(group: object = None) -> DistReduceSum:
     return DistReduceSum(group)
-
-
-def dist_reduce_max(group: object = None) -> Reduce:
-    return DistReduceSum(group).reduce_max
 
 
 @dataclass

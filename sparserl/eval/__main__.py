@@ -18,7 +18,8 @@ from sparserl.eval.report import format_table, settings, write_outputs
 from sparserl.eval.run import evaluate, format_prompts
 from sparserl.parallel import ParallelDims, init_distributed
 from sparserl.actor.hf import load_tokenizer
-from sparserl.launch.engines import build_rollout_engine, kv_policy
+from sparserl.launch.checks import check_engine
+from sparserl.launch.engines import build_rollout_engine
 from sparserl.launch.precision import resolve_precision
 from sparserl.utils.errors import run_main
 from sparserl.utils.logging import log0
@@ -34,11 +35,7 @@ def pool_slots(cfg: Config, lengths: list[int], seqs_per_rank: int) -> int:
 def run(cfg: Config) -> None:
     sets = load_eval_sets(cfg.eval)  # user errors surface here, before anything is written
     model = resolve_eval_model(cfg.model.path)
-    if cfg.rollout.engine == "sglang":
-        from sparserl.engines.sglang import check_config
-
-        check_config(cfg)
-    kv_policy(cfg)
+    check_engine(cfg)
     info = init_distributed(cfg.parallel.device, cfg.parallel.backend)
     dims = ParallelDims.from_world(info.world_size, cfg.parallel.tp)
     resolve_precision(cfg, info.device)

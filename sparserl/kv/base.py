@@ -21,6 +21,7 @@ per-layer budgets (PyramidKV-style), and learned scorers.
 """
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 from typing import Callable
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparserl.kv.policy import DIVIDE_METHODS, SHARE_MODES, VARIANTS, KVPolicyConfig  # noqa: F401  (re-exported)
+from sparserl.kv.policy import VARIANTS, KVPolicyConfig
 
 # fn(cfg, keys (H_kv, L, D) f32, queries (H_q, W, D) f32, positions (H_kv, L) long) -> (H_kv, L - n_window) f32:
 # scores of the candidate entries only; the window is handled by `score_tokens` / `select_keep`.
@@ -64,9 +65,8 @@ def register_policy(name: str, variant: str = "paper") -> Callable[[PolicyFn], P
 def register_builtins() -> None:
     """Import the built-in policies, which register themselves (`sparserl.kv` does it before handing out any of
     this module's names; `policy_fn` does it for code that imports this module directly)."""
-    import sparserl.kv.rkv  # noqa: F401
-    import sparserl.kv.snapkv  # noqa: F401
-    import sparserl.kv.streaming  # noqa: F401
+    for name in ("rkv", "snapkv", "streaming"):
+        importlib.import_module(f"sparserl.kv.{name}")
 
 
 def policy_fn(cfg: KVPolicyConfig) -> PolicyFn:

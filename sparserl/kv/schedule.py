@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparserl.kv.base import KVPolicyConfig
+from sparserl.kv.policy import KVPolicyConfig
 
 
 def is_newline_token(token_text: str) -> bool:

@@ -25,14 +25,8 @@ from sparserl.utils.memory import release_free_memory
 
 
 def kv_policy(cfg: Config) -> KVPolicyConfig:
-    """`rollout.kv` as the engines' policy config (the schema node is that dataclass)."""
-    kv = cfg.rollout.kv
-    if isinstance(kv, KVPolicyConfig):
-        return kv
-    try:
-        return KVPolicyConfig(**dataclasses.asdict(kv))
-    except ValueError as e:
-        raise UserError(f"rollout.kv: {e}") from None
+    """`rollout.kv`: the schema node is the engines' policy config, checked when the config loaded."""
+    return cfg.rollout.kv
 
 
 def sampling_params(cfg: Config) -> SamplingParams:

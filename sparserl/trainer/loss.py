@@ -12,12 +12,12 @@ in sparserl/algo) and any state in the closure (it is the same function for ever
 """
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
 from sparserl.actor.actor import LossFn, TrainBatch
-from sparserl.algo.correction import CorrectionConfig, correct, dist_reduce_sum
+from sparserl.algo.correction import correct, dist_reduce_sum
+from sparserl.algo.correction_config import CorrectionConfig
 from sparserl.algo.loss import LossConfig, policy_objective
 from sparserl.config import AlgoConfig
 
@@ -29,8 +29,7 @@ def loss_config(algo: AlgoConfig) -> LossConfig:
 
 
 def correction_config(algo: AlgoConfig) -> CorrectionConfig:
-    # The config schema mirrors CorrectionConfig field for field (only the `enable` default differs).
-    return CorrectionConfig(**dataclasses.asdict(algo.correction))
+    return algo.correction  # the schema node is the correction's own config
 
 
 def apply_correction(algo: AlgoConfig, batch: TrainBatch, dp_group) -> tuple[torch.Tensor, dict]:

@@ -23,6 +23,7 @@ from typing import Any
 from sparserl.config import Config
 from sparserl.data.dataset import PromptRow, load_prompts, rows_from_records
 from sparserl.eval.datasets import EvalSet, load_eval_sets
+from sparserl.launch.checks import check_engine
 from sparserl.utils.envload import EnvModule, load_env
 from sparserl.utils.errors import UserError
 
@@ -37,10 +38,7 @@ class Inputs:
 
 
 def validate_inputs(cfg: Config) -> Inputs:
-    if cfg.rollout.engine == "sglang":
-        from sparserl.engines.sglang import check_config  # imports no sglang: it says when sglang is missing
-
-        check_config(cfg)
+    check_engine(cfg)
     check_output_dir(cfg.trainer.output_dir)
     check_resume(cfg.trainer.resume)
     openreward = bool(cfg.env.openreward.envs)

@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from sparserl.actor.actor import TrainBatch
-from sparserl.algo.correction import CorrectionConfig, explain
+from sparserl.algo.correction import explain
+from sparserl.algo.correction_config import CorrectionConfig
 from sparserl.rollout.episode import Sample
 
 MAX_RESPONSE_TOKENS = 4096

@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sparserl.algo.aggregation import count_normalizer
-from sparserl.algo.correction import CorrectionConfig, correct, dist_reduce_sum
+from sparserl.algo.correction import correct, dist_reduce_sum
+from sparserl.algo.correction_config import CorrectionConfig
 
 import dataclasses
 

@@ -76,11 +76,19 @@ def workers(proc: subprocess.Popen) -> dict[int, int]:
     return found
 
 
+def logged_steps(path: Path) -> set[int]:
+    """Steps of the complete lines of a metrics.jsonl that may be being written (a last line without its newline
+    is still being written and is not read)."""
+    if not path.exists():
+        return set()
+    text = path.read_text()
+    return {json.loads(line)["step"] for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()}
+
+
 def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if (out / "metrics.jsonl").exists() and any(json.loads(line)["step"] == step for line in
-                                                    (out / "metrics.jsonl").read_text().splitlines() if line.strip()):
+        if step in logged_steps(out / "metrics.jsonl"):
             return
         if proc.poll() is not None:
             raise AssertionError(f"the run ended before step {step}: {proc.stderr.read()[-3000:]}")

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from sparserl.algo.aggregation import count_normalizer
-from sparserl.algo.correction import CorrectionConfig, correct
+from sparserl.algo.correction import correct
+from sparserl.algo.correction_config import CorrectionConfig
 from sparserl.algo.loss import LossConfig, policy_objective
 
 F64 = torch.float64

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparserl.algo.correction import CorrectionConfig
+from sparserl.algo.correction_config import CorrectionConfig
 from sparserl.rollout.episode import Sample
 from sparserl.trainer.samples import MAX_RESPONSE_TOKENS, LoggedRow, SampleLog, build_record, pick_rows
 

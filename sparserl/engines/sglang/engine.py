@@ -126,7 +126,7 @@ class SGLangEngine:
         self._finish_weight_update()
         if "weights" in self._released:
             raise RuntimeError("the SGLang engine's weights were released by sleep() and not reloaded; push the "
-                               "weights (update_weights) before wake(), or set rollout.sglang.release_weights=false")
+                               "weights (update_weights) before wake(), or set rollout.release_weights=false")
         if self._engine is not None and self._released:
             self._call(self._engine.resume_memory_occupation, sorted(self._released))
             self._released.clear()
