@@ -51,6 +51,7 @@ def train(cfg: Config) -> None:
     from sparserl.eval.hook import TrainEval
     from sparserl.engines.weight_sync import sync_weights
     from sparserl.rollout.worker import rollout
+    from sparserl.launch.engines import build_rollout_engine, pool_slots, sampling_params
     from sparserl.trainer import setup as S
     from sparserl.trainer.faults import PREEMPTED_EXIT_CODE, Preemption, check_skips, injected_nan
     from sparserl.trainer.advantages import set_advantages
@@ -75,11 +76,11 @@ def train(cfg: Config) -> None:
     task = S.task_env(cfg, inputs, tokenizer, info.rank)
     rows, prompts = task.rows, task.prompts
     sampler = S.prompt_sampler(cfg, task, mesh)
-    params = S.sampling_params(cfg)
+    params = sampling_params(cfg)
     actor = S.build_actor(cfg, inputs.model_path, mesh, info.device)
     ref = S.build_actor(cfg, inputs.model_path, mesh, info.device, trainable=False) if cfg.algo.kl.coef else None
-    num_slots = S.pool_slots(cfg, task.max_prompt, cfg.trainer.prompts_per_step // dims.dp)
-    engine = S.build_rollout_engine(cfg, inputs.model_path, tokenizer, info.device, num_slots, cfg.trainer.seed)
+    num_slots = pool_slots(cfg, task.max_prompt, cfg.trainer.prompts_per_step // dims.dp)
+    engine = build_rollout_engine(cfg, inputs.model_path, tokenizer, info.device, num_slots, cfg.trainer.seed)
     start = 0
     resume_from = checkpoint.resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
     if resume_from is not None:  # any number of processes: nothing saved depends on it (actor/checkpoint.py)

@@ -2,7 +2,8 @@
 
 Order matters: config, output folder, env file, data rows, eval sets and model path are checked first
 (`preflight.py`: clear one-line errors, no output folder yet); then processes, the tokenizer (whose chat
-template may still reject a row), the actor, the engine and the logger come up.
+template may still reject a row), the actor, the engine (built by sparserl/launch/engines.py from its own options)
+and the logger come up.
 The eval sets of `trainer.eval_every` are read and checked with the training data (sparserl/eval/).
 Left out on purpose: building a second model for evaluation (it runs on the rollout engine).
 """
@@ -19,7 +20,6 @@ from sparserl.config import Config, to_dict, to_yaml
 from sparserl.data.dataset import PromptRow, format_prompt
 from sparserl.data.prompt_sampler import MixtureSampler, PromptSampler
 from sparserl.parallel import DistInfo, ParallelDims, init_distributed
-from sparserl.launch.engines import build_rollout_engine, pool_slots, sampling_params
 from sparserl.launch.precision import resolve_precision
 from sparserl.trainer.preflight import Inputs, validate_inputs
 from sparserl.utils.errors import UserError, one_line
@@ -164,6 +164,5 @@ def open_output(cfg: Config, rank: int, tokenizer_loaded) -> MetricsLogger:
                          total_steps=cfg.trainer.total_steps)
 
 
-__all__ = ["Inputs", "validate_inputs", "TaskEnv", "task_env", "format_prompts", "sampling_params", "pool_slots",
-           "build_rollout_engine", "build_actor", "start_processes", "prompt_sampler", "open_output", "load_tokenizer",
-           "filter_long_prompts"]
+__all__ = ["Inputs", "validate_inputs", "TaskEnv", "task_env", "format_prompts", "build_actor", "start_processes",
+           "prompt_sampler", "open_output", "load_tokenizer", "filter_long_prompts"]

@@ -18,6 +18,7 @@ import sparserl.trainer.loss as L
 import sparserl.trainer.old_logprobs as O
 from sparserl.cli import parse_cli
 from sparserl.rollout.worker import rollout
+from sparserl.launch.engines import build_rollout_engine, sampling_params
 from sparserl.trainer import setup as S
 from sparserl.trainer.advantages import set_advantages
 from sparserl.trainer.balance import balance_ranks
@@ -70,9 +71,9 @@ def main() -> None:
     share = len(rows) // dims.dp
     rows = rows[info.rank * share:(info.rank + 1) * share]
     texts = S.format_prompts(cfg, rows, tokenizer)
-    params = S.sampling_params(cfg)
+    params = sampling_params(cfg)
     actor = S.build_actor(cfg, inputs.model_path, mesh, info.device)
-    engine = S.build_rollout_engine(cfg, inputs.model_path, tokenizer, info.device, 4096, cfg.trainer.seed + info.rank)
+    engine = build_rollout_engine(cfg, inputs.model_path, tokenizer, info.device, 4096, cfg.trainer.seed + info.rank)
     samples, _ = rollout(engine, tokenizer, inputs.env, rows, texts, params)
     for i, (t, push) in zip((1, 2, 3), ((2, 12.0), (0, -1.0), (3, 1.0))):  # veto; xi = e (high); xi = 1/e (low)
         samples[i].logp_sparse[t] += push
