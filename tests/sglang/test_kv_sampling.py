@@ -2,7 +2,7 @@
 
 - every token's noise is keyed by its logical position (prompt length - 1 + its index), never by the KV cache's
   physical length, which falls back after each compaction: all keys of a sequence are distinct;
-- over 256 compressed samples the share of 4-grams repeated inside a sequence is within noise of the dense
+- over 128 compressed samples the share of 4-grams repeated inside a sequence is within noise of the dense
   rollout's share (noise keyed by physical positions comes back every divide_length tokens; on this near-flat
   random model that copies whole stretches of a sequence);
 - the compression bookkeeping makes no device-to-host sync (at most one per decode step is the bar);
@@ -20,7 +20,7 @@ from tests.sglang.host import HAVE_SGLANG, SKIP_REASON, EngineHost
 pytestmark = pytest.mark.skipif(not HAVE_SGLANG, reason=SKIP_REASON)
 
 RKV = KVPolicyConfig(algorithm="rkv", budget=32, divide_length=16, window=8, share="head")
-PROMPT_LEN, NEW, PROMPTS, N = 12, 80, 32, 8  # 256 samples, each compacted 4 times
+PROMPT_LEN, NEW, PROMPTS, N = 12, 80, 16, 8  # 128 samples, each compacted 4 times
 SAMPLED = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=NEW, n=N, seed=5, ignore_eos=True)
 
 

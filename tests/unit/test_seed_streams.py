@@ -1,0 +1,36 @@
+"""Every derived seed comes from `utils.seed.derive`, and the engines draw with the one sample key it defines."""
+import torch
+
+from sparserl.engines.native.sampler import Sampler
+from sparserl.engines.native.sequence import Sequence
+from sparserl.engines.types import SamplingParams
+from sparserl.utils.seed import MIX, SAMPLE_MOD, derive, sample_seed, step_seed, turn_seed
+
+
+def test_derivations_by_hand():
+    assert derive(3) == 3 * MIX
+    assert derive(3, (5, 7), (2, 1)) == 3 * MIX + 35 + 2
+    assert derive(-4, (1, 1), modulus=97) == (-4 * MIX + 1) % 97
+    assert step_seed(2, 9) == 2 * 1_000_003 + 9 * 7_919
+    assert sample_seed(11, 4, 3) == (11 * 1_000_003 + 4 * 10_007 + 3) % (2**63 - 1)
+    assert turn_seed(17, 2, 5) == 17 + 2 * 1_000_003 + 5
+    # Large bases stay in the range torch.Generator.manual_seed accepts.
+    assert 0 <= sample_seed(2**62, 2**40, 7) < SAMPLE_MOD
+
+
+def test_streams_of_neighbouring_keys_differ():
+    keys = {sample_seed(base, index, sample) for base in range(3) for index in range(50) for sample in range(8)}
+    assert len(keys) == 3 * 50 * 8
+
+
+def _seq(seq_id, request_index, sample_index, seed=None, seed_index=None):
+    return Sequence(seq_id, request_index, sample_index, [1, 2], SamplingParams(seed=seed), reserve=8,
+                    seed_index=seed_index)
+
+
+def test_the_native_sampler_draws_with_sample_seed():
+    sampler = Sampler(seed=123)
+    for seq, base, index in ((_seq(0, 4, 1), 123, 4), (_seq(1, 4, 1, seed=9), 9, 4), (_seq(2, 4, 1, seed_index=30), 123, 30)):
+        gen = sampler._generator(seq, torch.device("cpu"))
+        want = torch.Generator().manual_seed(sample_seed(base, index, 1))
+        assert torch.equal(torch.rand(5, generator=gen), torch.rand(5, generator=want))
