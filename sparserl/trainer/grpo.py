@@ -56,7 +56,7 @@ def train(cfg: Config) -> None:
     from sparserl.trainer.faults import PREEMPTED_EXIT_CODE, Preemption, check_skips, injected_nan
     from sparserl.trainer.advantages import set_advantages
     from sparserl.trainer.balance import balance_ranks
-    from sparserl.trainer.loss import correction_config, loss_config
+    from sparserl.trainer.loss import loss_config
     from sparserl.trainer.old_logprobs import OldLogprobs
     from sparserl.trainer.train_batch import to_train_batch
     from sparserl.trainer.metrics import gather_step_metrics
@@ -93,7 +93,7 @@ def train(cfg: Config) -> None:
              (f" (saved with {saved_with} processes, now {info.world_size})" if saved_with != info.world_size else ""))
     logger = S.open_output(cfg, info.rank, tokenizer)
     logger.truncate_after(start if start else -1)  # a fresh run also drops an old run's step-0 eval row
-    sample_log = SampleLog(cfg.trainer.output_dir, cfg.trainer.log_samples, info.rank, correction_config(cfg.algo),
+    sample_log = SampleLog(cfg.trainer.output_dir, cfg.trainer.log_samples, info.rank, cfg.algo.correction,
                            tokenizer, logger.wandb_run)
     sample_log.truncate_after(start if start else -1)
     sync_weights(actor.full_state(), engine)

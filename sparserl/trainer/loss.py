@@ -2,8 +2,8 @@
 `Actor.update` on the separate-pass path.
 
 - `loss_config`: `algo.*` -> `LossConfig` (policy loss, clipping, aggregation, KL, entropy).
-- `correction_config` / `apply_correction`: `algo.correction.*` -> `CorrectionConfig`, and the correction run on
-  a batch whose logp_old is known (it sets the batch's weights and mask under `mode=apply`).
+- `apply_correction`: the correction (`algo.correction`, a `CorrectionConfig`) run on a batch whose logp_old is
+  known (it sets the batch's weights and mask under `mode=apply`).
 - `make_loss_fn`: the loss closure over a batch whose logp_old, weights and masks are already set; it only
   slices them to the micro-batch. The single-update path has its own (trainer/old_logprobs.py).
 
@@ -17,7 +17,6 @@ import torch
 
 from sparserl.actor.actor import LossFn, TrainBatch
 from sparserl.algo.correction import correct, dist_reduce_sum
-from sparserl.algo.correction_config import CorrectionConfig
 from sparserl.algo.loss import LossConfig, policy_objective
 from sparserl.config import AlgoConfig
 
@@ -28,13 +27,9 @@ def loss_config(algo: AlgoConfig) -> LossConfig:
                       entropy_coef=algo.entropy_coef)
 
 
-def correction_config(algo: AlgoConfig) -> CorrectionConfig:
-    return algo.correction  # the schema node is the correction's own config
-
-
 def apply_correction(algo: AlgoConfig, batch: TrainBatch, dp_group) -> tuple[torch.Tensor, dict]:
     """Sets the batch's correction weights and mask; returns which sequences were rejected (B,) and metrics."""
-    cfg = correction_config(algo)
+    cfg = algo.correction
     corr, metrics = correct(cfg, batch.logp_old, batch.logp_sparse, batch.mask, reduce_sum=dist_reduce_sum(dp_group))
     if cfg.enable and cfg.mode == "apply":
         batch.weights, batch.mask, batch.kl_weights = corr.weights, corr.mask, corr.kl_weights

@@ -26,7 +26,7 @@ from sparserl.algo.aggregation import Normalizer
 from sparserl.algo.correction import correct, dist_reduce_sum, low_xi_metrics, token_decisions
 from sparserl.algo.loss import LossConfig, policy_objective
 from sparserl.config import AlgoConfig, Config
-from sparserl.trainer.loss import apply_correction, correction_config, make_loss_fn
+from sparserl.trainer.loss import apply_correction, make_loss_fn
 
 
 def fused_old_logprobs(cfg: Config) -> tuple[bool, str]:
@@ -142,7 +142,7 @@ class FusedOldLogprobLoss:
     """
 
     def __init__(self, algo: AlgoConfig, loss_cfg: LossConfig, dp_group) -> None:
-        self.cfg, self.loss_cfg, self.dp_group = correction_config(algo), loss_cfg, dp_group
+        self.cfg, self.loss_cfg, self.dp_group = algo.correction, loss_cfg, dp_group
         self.applying = self.cfg.enable and self.cfg.mode == "apply"
         self.metrics: dict[str, float] = {}
         self._logp_old: torch.Tensor | None = None

@@ -93,7 +93,7 @@ def main() -> None:
     if fused:
         correction_metrics = loss_fn.metrics
     norm_factor = correction_metrics["correction/norm_factor"]
-    log = SampleLog(out, cfg.trainer.log_samples, info.rank, L.correction_config(cfg.algo), tokenizer)
+    log = SampleLog(out, cfg.trainer.log_samples, info.rank, cfg.algo.correction, tokenizer)
     log.log(1, samples, batch, norm_factor, actor.dp_group)
     torch.save({"seen": SEEN, "norm_factor": norm_factor, "fused": fused,
                 "compressions": [s.kv[0].compressions for s in samples]}, f"{out}/loss_{info.rank}.pt")

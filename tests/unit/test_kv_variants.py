@@ -16,7 +16,6 @@ from sparserl.kv.rkv import rkv_redundancy, rkv_reference_redundancy
 from sparserl.engines.native.engine import NativeEngine
 from sparserl.engines.sglang.kv_compactor import KVCompactor
 from sparserl.engines.types import GenerationRequest, SamplingParams
-from sparserl.launch.engines import kv_policy
 from tests.conftest import tiny_model
 
 
@@ -158,7 +157,7 @@ def test_bad_variants_are_refused():
 
 
 def test_the_config_key_reaches_the_policy_config():
-    assert kv_policy(load_config(["rollout.kv.algorithm=rkv", "rollout.kv.variant=reference"])).variant == "reference"
+    assert load_config(["rollout.kv.algorithm=rkv", "rollout.kv.variant=reference"]).rollout.kv.variant == "reference"
 
 
 @pytest.fixture

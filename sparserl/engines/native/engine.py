@@ -63,32 +63,26 @@ class NativeEngine:
                  eos_token_ids: Iterable[int] | None = None, **option_fields) -> None:
         """`options`, or its fields as keywords (`NativeEngine(model, num_slots=512, kv=...)`); keywords given
         with `options` replace its fields."""
-        self.options = options = dataclasses.replace(options or NativeOptions(), **option_fields)
-        num_slots, max_num_seqs, max_batch_tokens = options.num_slots, options.max_num_seqs, options.max_batch_tokens
-        kv, release_weights, quantization = options.kv, options.release_weights, options.quantization
-        quant_kernel, quantize_lm_head = options.quant_kernel, options.quantize_lm_head
-        rescore_seqs, decode_cache = options.rescore_seqs, options.decode_cache
+        o = self.options = dataclasses.replace(options or NativeOptions(), **option_fields)
         self.tokenizer = tokenizer
         # True: sleep() also drops the weights (the actor pushes fresh ones after every update anyway).
-        self.release_weights = release_weights
-        self.runner = ModelRunner(model, num_slots, quantization, quant_kernel, quantize_lm_head,
-                                  resolve_decode_cache(decode_cache, next(model.parameters()).device))
-        self.quantization = quantization
+        self.release_weights = o.release_weights
+        self.runner = ModelRunner(model, o.num_slots, o.quantization, o.quant_kernel, o.quantize_lm_head,
+                                  resolve_decode_cache(o.decode_cache, next(model.parameters()).device))
+        self.quantization = o.quantization
         # Measure-only: sequences per generate() re-scored with a dense cache (rollout/kv_mismatch_kl).
-        self.rescore_seqs = rescore_seqs
-        self.num_slots = num_slots
-        self.max_num_seqs = max_num_seqs
-        self.max_batch_tokens = max_batch_tokens
+        self.rescore_seqs = o.rescore_seqs
+        self.num_slots, self.max_num_seqs, self.max_batch_tokens = o.num_slots, o.max_num_seqs, o.max_batch_tokens
         self.seed = seed
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _default_eos(model, tokenizer))
-        self.kv = kv or KVPolicyConfig()
+        self.kv = o.kv or KVPolicyConfig()
         # None keeps a dense cache; otherwise sequences are compressed while they decode.
-        self.compression = None if self.kv.algorithm == "none" else Compressor(self.kv, self.runner, max_num_seqs, tokenizer)
+        self.compression = None if self.kv.algorithm == "none" else Compressor(self.kv, self.runner, o.max_num_seqs, tokenizer)
         self._stats = self._fresh_stats()
         self._awake = False
         self._next_seq_id = 0
         # Slot bookkeeping lives as long as the engine: held sessions keep slots between generate() calls.
-        self.pool = SlotPool(num_slots)
+        self.pool = SlotPool(o.num_slots)
         self.sessions = SessionTable()
         self.trace: list[StepTrace] | None = None  # set to [] to record every step of the next generate()
         self.wake()
@@ -114,12 +108,8 @@ class NativeEngine:
 
     def close(self) -> None:
         """Drop the pool, the held sessions and the weight copy (the engine cannot generate again)."""
-        self.end_sessions()
-        self.runner.release()
-        if self.compression is not None:
-            self.compression.release()
+        self.sleep()
         self.runner.release_weights()
-        self._awake = False
 
     @property
     def weight_dtype(self) -> torch.dtype | None:
