@@ -63,8 +63,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from benchmarks.common import machine, print_table  # noqa: E402
-from benchmarks.replicate_sparse_rl import (PRESETS, env_module, eval_command, eval_set_name, fmt,  # noqa: E402
-                                            grpo_command, read_metrics, run, run_grpo, sft_command, write_jsonl)
+from benchmarks.replicate_sparse_rl import (PRESETS, add_kv_scoring_args, env_module, eval_command,  # noqa: E402
+                                            eval_set_name, fmt, grpo_command, read_metrics, run, run_grpo, sft_command,
+                                            write_jsonl)
 
 ENV_PATH = "envs/long_chain.py"
 # algo.correction in "measure" mode: the Sparse-RL filters' numbers are logged, the update is untouched.
@@ -91,6 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget", type=int, default=192, help="rollout.kv.budget (entries kept, window included; without "
                     "--compress-prompt never below the prompt's length)")
     ap.add_argument("--divide-length", type=int, default=32, help="rollout.kv.divide_length")
+    add_kv_scoring_args(ap)
     ap.add_argument("--compress-prompt", action=argparse.BooleanOptionalAction, default=False,
                     help="rollout.kv.compress_prompt: may compression evict prompt entries below the prompt's length")
     ap.add_argument("--sft-steps", type=int, default=4)

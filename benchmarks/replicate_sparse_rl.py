@@ -64,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10, help="GRPO steps per run")
     ap.add_argument("--budget", type=int, default=64, help="rollout.kv.budget (entries kept, window included)")
     ap.add_argument("--divide-length", type=int, default=16, help="rollout.kv.divide_length")
+    add_kv_scoring_args(ap)
     ap.add_argument("--quick", action="store_true", help="2-step smoke configuration (2 SFT steps, 2 GRPO steps, tiny batches)")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="model.path of the warm-start")
     ap.add_argument("--seed", type=int, default=0, help="trainer.seed of every run; the data files use it too")
@@ -116,9 +117,17 @@ def sft_command(args, out: Path, data: Path) -> list[str]:
     ]
 
 
+def add_kv_scoring_args(ap: argparse.ArgumentParser) -> None:
+    # The recorded runs scored as the papers say with one set per KV head; the presets now default to the reference
+    # code's scoring with one set per layer, so the replications pin what they ran.
+    ap.add_argument("--kv-variant", default="paper", help="rollout.kv.variant (paper | reference)")
+    ap.add_argument("--kv-share", default="head", help="rollout.kv.share (head | layer | all)")
+
+
 def kv_overrides(args) -> list[str]:
     return [f"rollout.kv.budget={args.budget}", f"rollout.kv.divide_length={args.divide_length}",
-            f"rollout.kv.compress_prompt={str(args.compress_prompt).lower()}"]
+            f"rollout.kv.compress_prompt={str(args.compress_prompt).lower()}",
+            f"rollout.kv.variant={args.kv_variant}", f"rollout.kv.share={args.kv_share}"]
 
 
 def grpo_command(args, preset: str, model: Path, data: Path, out: Path, extra: tuple[str, ...] = ()) -> list[str]:

@@ -328,6 +328,14 @@ def _quantization_device(cfg) -> None:
         raise ConfigError(f"rollout.quantization={q} is not supported with parallel.device=cpu: {why}")
 
 
+def _sglang_tp_shares_heads(cfg) -> None:
+    kv = cfg.rollout.kv
+    if cfg.rollout.engine == "sglang" and cfg.parallel.tp > 1 and kv.algorithm != "none" and kv.share != "head":
+        raise ConfigError(f"rollout.kv.share={kv.share} with rollout.engine=sglang and parallel.tp={cfg.parallel.tp}: each "
+                          "tensor-parallel rank holds only its KV heads, so one set per layer would need the ranks to "
+                          "agree; use rollout.kv.share=head, parallel.tp=1 or rollout.engine=native")
+
+
 def _openreward(cfg) -> None:
     from sparserl.rollout.openreward.spec import parse_envs  # plain Python: no SDK, no torch
 
@@ -345,7 +353,8 @@ def _openreward(cfg) -> None:
 
 
 # Checks relating keys of different groups: fn(cfg), run by check_config after every group.
-CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (_dual_clip_is_ppo, _nccl_needs_cuda, _quantization_device, _openreward)
+CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (_dual_clip_is_ppo, _nccl_needs_cuda, _quantization_device,
+                                                   _sglang_tp_shares_heads, _openreward)
 
 
 def check_section(prefix: str, node: Any) -> None:

@@ -173,6 +173,8 @@ CASES = [
     ("parallel.backend", ["parallel.backend=mpi"], "parallel.backend=mpi: must be one of auto, gloo, nccl"),
     ("parallel.device", ["parallel.device=tpu"], "parallel.device=tpu: must be one of auto, cpu, cuda"),
     ("parallel.nccl_on_cpu", ["parallel.backend=nccl", "parallel.device=cpu"], "parallel.backend=nccl needs parallel.device=cuda"),
+    ("rollout.kv.share_sglang_tp", ["+preset=sparse_rl", "rollout.engine=sglang", "parallel.tp=2"],
+     "rollout.kv.share=layer with rollout.engine=sglang and parallel.tp=2"),
     ("trainer.total_steps", ["trainer.total_steps=0"], "trainer.total_steps=0"),
     ("trainer.prompts_per_step", ["trainer.prompts_per_step=0"], "trainer.prompts_per_step=0"),
     ("trainer.output_dir", ["trainer.output_dir=''"], "trainer.output_dir='': must be a non-empty string"),

@@ -43,6 +43,12 @@ def test_gpu_config_is_a_base_config_and_validates_without_a_gpu():
     sparse = load_config(["+preset=sparse_rl", "actor.lr=2e-6"], config_name="gpu")
     assert sparse.rollout.kv.algorithm == "rkv" and sparse.algo.correction.enable and sparse.actor.lr == 2e-6
     assert sparse.rollout.max_new_tokens == 4096 and sparse.trainer.prompts_per_step == 128
+    # The sparse presets select as Sparse-RL's rollouts do: the reference code's R-KV scores, one set per layer.
+    for preset in ("sparse_rl", "naive_sparse"):
+        kv = load_config([f"+preset={preset}"], config_name="gpu").rollout.kv
+        assert (kv.algorithm, kv.variant, kv.share) == ("rkv", "reference", "layer"), preset
+    head = load_config(["+preset=sparse_rl", "rollout.engine=sglang", "parallel.tp=2", "rollout.kv.share=head"])
+    assert head.rollout.kv.share == "head"  # SGLang with TP keeps per-head sets (each rank holds whole KV heads)
 
 
 def test_cfg_job_with_config_name_gpu():
