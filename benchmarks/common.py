@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -49,3 +50,22 @@ def print_table(headers: list[str], rows: list[list], title: str | None = None) 
     text = "\n".join(lines)
     print(text, flush=True)
     return text
+
+
+def matmul_floor(model, rows: list[int], head_rows: list[int], repeats: int = 5) -> float:
+    """Seconds for the model's own linear layers' GEMMs, back to back and nothing else (no attention, no norms, no
+    sampling): every layer but the LM head once per entry of `rows` (its M), the LM head once per entry of
+    `head_rows`. The best of `repeats` runs, each on inputs made before the clock starts. The floor a forward of
+    that many rows cannot beat with these weights and this BLAS."""
+    head = model.get_output_embeddings()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    plan = [(m.weight, m_rows) for m_rows in rows for m in linears] + [(head.weight, m) for m in head_rows]
+    inputs = {(w.shape[1], m): torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device) for w, m in plan}
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first run warms the BLAS up
+            t0 = time.perf_counter()
+            for w, m in plan:
+                torch.mm(inputs[(w.shape[1], m)], w.t())
+            best = min(best, time.perf_counter() - t0)
+    return best

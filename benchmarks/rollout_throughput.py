@@ -1,8 +1,9 @@
-"""New tokens/s of the rollout engines vs transformers `generate` (static batch), same model/prompts/lengths.
+"""New tokens/s of the rollout engines vs transformers `generate` (static batch), same model/prompts/lengths, and
+the matmul floor they are measured against.
 
-    python benchmarks/rollout_throughput.py --batch 16 64 --new-tokens 128
+    python benchmarks/rollout_throughput.py --batch 8 64 --new-tokens 128 --dtype float32
     python benchmarks/rollout_throughput.py --engine native sglang   # in an environment with SGLang (docs/sglang.md)
-    python benchmarks/rollout_throughput.py --engine native native:cache   # rollout.decode_cache off (default) / on
+    python benchmarks/rollout_throughput.py --engine native native:gather   # rollout.decode_cache auto (default) / off
     python benchmarks/rollout_throughput.py --quantization none int8 --batch 1 16 64 --new-tokens 64
 
 `--quantization` compares quantized native engines instead (docs/quantization.md): new tokens/s per batch
@@ -11,6 +12,13 @@ response tokens, the trainer's `mismatch/kl`) against dense log-probs of the sam
 model in `--trainer-dtype`, computed the way the actor computes them. `int8:dequant` forces the
 dequantize-per-matmul kernel instead of torch's fused int8 one. `--kv-budget N` adds R-KV rows with the dense
 re-score split (`rollout/kv_mismatch_kl`: the compression's share of the KL).
+
+The floor (`benchmarks/common.py::matmul_floor`) is the same workload's GEMMs, timed in the same run, back to back
+with nothing else: the prompts' prefill (every linear layer but the LM head at M = the prefill forward's tokens,
+packed as the engine packs them, the LM head at M = the batch) then `new_tokens - 1` decode steps (every linear
+layer at M = the batch). `floor tok/s` is new tokens over that time; `decode` columns count only the decode steps
+(the native engine's: `generate` of `new_tokens` minus `generate` of 1 token, the prefill's share). Attention,
+norms, RoPE, activations and sampling are outside the floor, so no engine reaches it.
 
 All sample at temperature 1 and ignore EOS, so every sequence produces exactly `--new-tokens` tokens and
 the two engines do the same useful work. The `eos` rows let sequences stop at EOS (capped at the same
@@ -26,11 +34,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import gsm8k_prompts, machine, print_table  # noqa: E402
+from benchmarks.common import gsm8k_prompts, machine, matmul_floor, print_table  # noqa: E402
 from sparserl.actor.hf import load_model, load_tokenizer, resolve_model_path  # noqa: E402
 from sparserl.utils import precision  # noqa: E402
 from sparserl.engines.native.engine import NativeEngine  # noqa: E402
 from sparserl.engines.types import GenerationRequest, SamplingParams  # noqa: E402
+
+
+MAX_BATCH_TOKENS = 8192  # the native engine's (and NativeOptions') default
 
 
 def hf_generate(model, tokenizer, prompts, new_tokens, ignore_eos):
@@ -49,6 +60,23 @@ def hf_generate(model, tokenizer, prompts, new_tokens, ignore_eos):
         first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, torch.full((gen.shape[0],), gen.shape[1]))
         n = int(first.sum())
     return n, dt
+
+
+def prefill_rows(prompts: list[list[int]], max_batch_tokens: int) -> list[int]:
+    """Tokens per prefill forward: whole prompts packed in order while they fit, as the native scheduler admits them."""
+    rows = [0]
+    for p in prompts:
+        if rows[-1] and rows[-1] + len(p) > max_batch_tokens:
+            rows.append(0)
+        rows[-1] += len(p)
+    return rows
+
+
+def floors(model, prompts, new_tokens, max_batch_tokens) -> tuple[float, float]:
+    """(prefill floor s, one decode step's floor s) for this batch."""
+    b = len(prompts)
+    return (matmul_floor(model, prefill_rows(prompts, max_batch_tokens), [b], repeats=2),
+            matmul_floor(model, [b], [b]))
 
 
 def engine_generate(engine, prompts, new_tokens, ignore_eos):
@@ -122,11 +150,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="auto", help="auto: bf16 where the hardware runs it fast, else fp32")
-    ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--modes", nargs="+", default=["fixed"], choices=["fixed", "eos"])
-    ap.add_argument("--engine", nargs="+", default=["native"], choices=["native", "native:cache", "sglang"],
-                help="native:cache = the native engine with rollout.decode_cache=on (contiguous per-sequence K/V copies)")
+    ap.add_argument("--engine", nargs="+", default=["native"], choices=["native", "native:gather", "sglang"],
+                help="native: the engine's defaults (rollout.decode_cache=auto: contiguous decode K/V copies on CPU); "
+                     "native:gather: rollout.decode_cache=off (decode gathers every sequence's K/V per layer)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--quantization", nargs="+", default=[],
                     help="compare native engines with these rollout.quantization values (none, int8, int8:dequant, w8a8, fp8)")
@@ -143,7 +172,7 @@ def main() -> None:
     engines = {}
     for name in [e for e in args.engine if e.startswith("native")]:
         engines[name] = NativeEngine(load_model(args.model, args.dtype), tokenizer, num_slots=max(args.batch) * 512,
-                                     decode_cache="on" if name == "native:cache" else "off")
+                                     max_batch_tokens=MAX_BATCH_TOKENS, decode_cache="off" if name == "native:gather" else "auto")
     if "sglang" in args.engine:
         engines["sglang"] = start_sglang(args.model, args.dtype, max(args.batch), tokenizer)
     print(f"machine: {machine()}\nmodel: {args.model} ({args.dtype}), {args.new_tokens} new tokens\n")
@@ -157,20 +186,29 @@ def main() -> None:
             runs = {"hf": lambda: hf_generate(model, tokenizer, prompts, args.new_tokens, ignore)}
             for name, engine in engines.items():
                 runs[name] = lambda engine=engine: engine_generate(engine, prompts, args.new_tokens, ignore)
+                runs[name + ":1"] = lambda engine=engine: engine_generate(engine, prompts, 1, ignore)
             best = {}
             for _ in range(args.repeats):
                 for name, fn in runs.items():  # one after another: no engine runs while another is timed
                     n, dt = fn()
-                    best[name] = max(best.get(name, (0, 0.0)), (n / dt, n), key=lambda x: x[0])
-            row = [mode, b, best["hf"][1], f"{best['hf'][0]:.1f}"]
+                    best[name] = min(best.get(name, (float("inf"), 0)), (dt, n))
+            prefill_s, step_s = floors(model, prompts, args.new_tokens, MAX_BATCH_TOKENS)
+            floor_s = prefill_s + (args.new_tokens - 1) * step_s
+            hf_rate = best["hf"][1] / best["hf"][0]
+            row = [mode, b, sum(map(len, prompts)), f"{b * args.new_tokens / floor_s:.1f}", f"{b / step_s:.1f}",
+                   f"{hf_rate:.1f}"]
             for name in engines:
-                row += [best[name][1], f"{best[name][0]:.1f}", f"{best[name][0] / best['hf'][0]:.2f}x"]
+                (dt, n), (dt1, n1) = best[name], best[name + ":1"]
+                rate = n / dt
+                decode = (n - n1) / (dt - dt1) if ignore else float("nan")
+                row += [f"{rate:.1f}", f"{rate * floor_s / (b * args.new_tokens):.0%}", f"{decode:.1f}",
+                        f"{decode * step_s / b:.0%}", f"{rate / hf_rate:.2f}x"]
             rows.append(row)
             print(rows[-1], flush=True)
     print()
-    headers = ["mode", "batch", "hf tokens", "hf tok/s"]
+    headers = ["mode", "batch", "prompt tokens", "floor tok/s", "floor decode tok/s", "hf tok/s"]
     for name in engines:
-        headers += [f"{name} tokens", f"{name} tok/s", f"{name} / hf"]
+        headers += [f"{name} tok/s", "of floor", f"{name} decode tok/s", "of decode floor", f"{name} / hf"]
     print_table(headers, rows)
     for engine in engines.values():
         if hasattr(engine, "close"):

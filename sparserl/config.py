@@ -136,9 +136,10 @@ class RolloutConfig:
                                     "sampler's linear layers", choices=("none", "int8", "w8a8", "fp8"))
     quantize_lm_head: bool = opt(False, "quantize the LM head too (embeddings and norms always stay in "
                                         "rollout.dtype)")
-    decode_cache: str = opt("off", "native engine: on | off | auto (= on for CPU engines): contiguous per-sequence "
-                                   "K/V copies for decode attention (CPU: ~1.16x faster decode at batch 64, those "
-                                   "entries held twice; engines/native/decode_cache.py)", choices=("auto", "on", "off"))
+    decode_cache: str = opt("auto", "native engine: on | off | auto (= on for CPU engines): contiguous per-sequence "
+                                    "K/V copies for decode attention, no per-layer gather (CPU: ~1.35x faster decode "
+                                    "at batch 64, those entries held twice; engines/native/decode_cache.py)",
+                            choices=("auto", "on", "off"))
     rescore_seqs: int = opt(0, "measure-only: per engine and step, re-score this many sequences densely "
                                "(rollout/kv_mismatch_kl)")
     kv: KVPolicyConfig = opt(KVPolicyConfig)

@@ -1,6 +1,7 @@
 """Every derived seed comes from `utils.seed.derive`, and the engines draw with the one sample key it defines."""
 import torch
 
+from sparserl.engines.draw import RowSettings, sample
 from sparserl.engines.native.sampler import Sampler
 from sparserl.engines.native.sequence import Sequence
 from sparserl.engines.types import SamplingParams
@@ -29,8 +30,17 @@ def _seq(seq_id, request_index, sample_index, seed=None, seed_index=None):
 
 
 def test_the_native_sampler_draws_with_sample_seed():
+    """The native sampler keys each row by sample_seed(base, index, sample) and the logical position, through the
+    draw both engines share: its tokens are those of `engines.draw.sample` with those seeds."""
     sampler = Sampler(seed=123)
-    for seq, base, index in ((_seq(0, 4, 1), 123, 4), (_seq(1, 4, 1, seed=9), 9, 4), (_seq(2, 4, 1, seed_index=30), 123, 30)):
-        gen = sampler._generator(seq, torch.device("cpu"))
-        want = torch.Generator().manual_seed(sample_seed(base, index, 1))
-        assert torch.equal(torch.rand(5, generator=gen), torch.rand(5, generator=want))
+    seqs = [_seq(0, 4, 1), _seq(1, 4, 1, seed=9), _seq(2, 4, 1, seed_index=30)]
+    for i, seq in enumerate(seqs):
+        seq.num_cached = 5 + i  # the token at position 4 + i produced the logits
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(0))
+    tokens, _ = sampler.sample(logits, seqs)
+    settings = RowSettings.from_rows([(sample_seed(b, idx, 1), 1.0, 1.0, 0) for b, idx in ((123, 4), (9, 4), (123, 30))],
+                                     "cpu")
+    want, _ = sample(logits, settings, torch.tensor([4, 5, 6]))
+    assert tokens == want.tolist()
+    shifted, _ = sample(logits, settings, torch.tensor([5, 6, 7]))
+    assert tokens != shifted.tolist()  # the position is part of the key

@@ -291,7 +291,8 @@ class NativeEngine:
             seq.num_cached = len(seq.prompt)
             row_of[id(seq)] = row_of[id(seq.fork_of)]
         sampled = computed + batch.forks
-        rows = logits[torch.tensor([row_of[id(s)] for s in sampled], device=logits.device)]
+        order = [row_of[id(s)] for s in sampled]
+        rows = logits if order == list(range(len(logits))) else logits[torch.tensor(order, device=logits.device)]
         tokens, logps = sampler.sample(rows, sampled)
         self._stats.forward_steps += 1
         finished = 0

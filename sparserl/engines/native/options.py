@@ -22,4 +22,4 @@ class NativeOptions:
     quant_kernel: str = "auto"  # the int8 matmul kernel (quantize.py)
     quantize_lm_head: bool = False
     rescore_seqs: int = 0  # measure-only: sequences per generate() re-scored with a dense cache (rescore.py)
-    decode_cache: str = "off"  # on | off | auto: contiguous decode K/V copies (decode_cache.py)
+    decode_cache: str = "auto"  # on | off | auto: contiguous decode K/V copies (decode_cache.py)

@@ -3,7 +3,7 @@
 - `engine.py`: the adapter behind the engine contract of `engines/protocol.py` (registered as "sglang").
 - `sampler_plugin.py`: the sampler SGLang runs in its scheduler process, so that `logp_sparse` is the processed
   distribution's log-prob and draws are seeded per sequence (loaded by SGLang through an entry point).
-- `draw.py`: the seeded draw itself, pure tensor code.
+  The seeded draw itself is `sparserl/engines/draw.py`, shared with the native engine.
 - `kv_backend.py`: the `sparserl_kv` attention backend and scheduler hooks SGLang loads (entry point) for KV
   compression that frees evicted slots; `kv_compactor.py` (triggers, and `sparserl/kv/compaction.py` mapped
   onto SGLang's pool) and `kv_records.py` (what the engine reads back) are pure torch / Python.

@@ -32,7 +32,8 @@ import torch
 from sglang.srt.layers.sampler import Sampler, register_sampler_backend
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
-from sparserl.engines.sglang import SAMPLER_ENV_FLAG, draw
+from sparserl.engines import draw
+from sparserl.engines.sglang import SAMPLER_ENV_FLAG
 
 BACKEND = "pytorch"  # the SGLang sampling backend whose factory this module replaces
 PARAM_KEY = "sparserl"
