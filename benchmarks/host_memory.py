@@ -10,7 +10,7 @@ export keeps the gathered tensors on rank 0 only). Three phases per process:
   - start-up: `Actor(...)` until it is built and sharded;
   - weight sync: `sync_weights` into a native engine holding a bf16 copy (the engine is built beforehand,
     outside the measured phase, the same way in both runs);
-  - export: the final Hugging Face export (`trainer.grpo.export_final`; before: its old body).
+  - export: the final Hugging Face export (`actor.export.export_final`; before: its old body).
 For each phase the table gives the process's peak resident set (VmHWM, reset just before the phase through
 /proc/self/clear_refs) and that peak minus the resident set just before the phase: the host memory the
 phase itself needed. The model's size in the actor's dtype is printed for scale.
@@ -52,7 +52,7 @@ def worker(args) -> None:
     from sparserl.parallel import ParallelDims, init_distributed, teardown
     from sparserl.engines.native.engine import NativeEngine
     from sparserl.engines.weight_sync import sync_weights
-    from sparserl.trainer.grpo import export_final
+    from sparserl.actor.export import export_final
     from sparserl.utils.memory import release_free_memory, rss_bytes, tune_malloc
 
     tune_malloc()  # as the trainer's entry point does

@@ -21,7 +21,8 @@ import os
 import sys
 from typing import Any
 
-from sparserl.config import CONFIG_DIR, Config, base_configs, load_config, to_yaml
+from sparserl.config import CONFIG_DIR, Config, base_configs, to_yaml
+from sparserl.config_load import load_config
 from sparserl.config_checks import RULES, show
 from sparserl.utils.errors import UserError
 

@@ -9,11 +9,8 @@ for an enum, its valid names live in the field's metadata, which `--help` (cli.p
 `rollout.kv` and `algo.correction` are the library's own `KVPolicyConfig` (sparserl/kv/policy.py) and
 `CorrectionConfig` (sparserl/algo/correction_config.py), which check their values when built.
 
-`load_config(overrides)` composes `configs/<name>.yaml` over the schema with command-line overrides (`key=value`,
-`+preset=sparse_rl`), checks every overridden key against the schema first (a misspelled key fails naming the
-closest valid names; a key that was renamed or folded into another, `RENAMED`, fails naming its replacement),
-checks every value (`config_checks.py`), and returns the typed `Config`. Nothing past this module sees a
-DictConfig. The base configs (`base_configs()`): grpo (training, the CPU demo), eval (`python -m sparserl.eval`)
+Loading (composing the YAML files with the command line, checking keys and values) is sparserl/config_load.py.
+The base configs (`base_configs()`): grpo (training, the CPU demo), eval (`python -m sparserl.eval`)
 and gpu (the Sparse-RL paper's GPU settings, `--config-name gpu`); docs/config.md lists every key with its
 values in each. This module imports no torch.
 Left out on purpose: Hydra's run-directory and logging takeover (`trainer.output_dir` is ours).
@@ -21,16 +18,13 @@ Left out on purpose: Hydra's run-directory and logging takeover (`trainer.output
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sparserl.algo.correction_config import CorrectionConfig
-from sparserl.config_checks import AUTO_DTYPES, DTYPES, check_config, opt
+from sparserl.config_checks import AUTO_DTYPES, DTYPES, opt
 from sparserl.kv.policy import KVPolicyConfig
-from sparserl.utils.errors import UserError
 
 
 def _config_dir() -> Path:
@@ -148,6 +142,21 @@ class RolloutConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (the peft library): only the adapters train; the engines receive base + adapter merged."""
+
+    rank: int = opt(0, "adapter rank; 0 = full fine-tuning (no adapters)")
+    alpha: float = opt(32.0, "adapter scale numerator: the update is (alpha / rank) * B @ A")
+    dropout: float = opt(0.0, "dropout on the adapters' input in the update (0 keeps the actor's log-probs equal to "
+                              "the engine's)")
+    target_modules: list[str] = opt(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                    "module names that get adapters (peft's target_modules; all-linear: every linear "
+                                    "layer but the LM head)")
+    export_merged: bool = opt(False, "the final HF export also writes the merged model (base + adapter) beside the "
+                                     "adapter")
+
+
+@dataclass
 class ActorConfig:
     lr: float = opt(5e-6, "AdamW learning rate after warmup")
     weight_decay: float = opt(0.0, "AdamW decoupled weight decay")
@@ -166,6 +175,8 @@ class ActorConfig:
                                         "pass)")
     share_prompts: bool = opt(True, "compute a prompt once per micro-batch for all of its samples (exact; fewer "
                                     "tokens)")
+    lora: LoRAConfig = opt(LoRAConfig, "Low-rank adapters (the peft library): only the adapters train; the engines "
+                                       "receive base + adapter merged.")
 
 
 @dataclass
@@ -173,6 +184,27 @@ class KLConfig:
     coef: float = opt(0.0, "weight of the KL to the initial policy; 0 = off (no reference model)")
     estimator: str = opt("k3", "k1 | k2 | k3", choices=("k1", "k2", "k3", "kl", "mse", "low_var_kl"))
     mode: str = opt("loss", "loss | reward", choices=("loss", "reward"))
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling: groups whose samples all got the same reward carry no GRPO signal; they are dropped and
+    more prompts are rolled out, in rounds, until the step has trainer.prompts_per_step informative groups."""
+
+    enable: bool = opt(False, "drop groups with zero reward variance (and groups the correction rejected whole) and "
+                              "roll out more prompts until the step is full")
+    max_rounds: int = opt(4, "rollout rounds per step at most, the first included; after the last the step trains on "
+                             "the informative groups it has")
+
+
+@dataclass
+class OverlongConfig:
+    """Responses cut by the length cap (rollout.max_new_tokens): left out of the loss, or punished softly (DAPO)."""
+
+    mask: bool = opt(False, "truncated responses leave the loss (they still count in their group's baseline)")
+    penalty: float = opt(0.0, "DAPO soft overlong punishment: reward minus penalty x a linear ramp from 0 to 1 over "
+                              "the last `buffer` tokens of rollout.max_new_tokens; 0 = off")
+    buffer: int = opt(16, "tokens at the end of rollout.max_new_tokens over which the penalty ramps up")
 
 
 @dataclass
@@ -186,6 +218,10 @@ class AlgoConfig:
     entropy_coef: float = opt(0.0, "entropy bonus weight")
     kl: KLConfig = opt(KLConfig)
     correction: CorrectionConfig = opt(CorrectionConfig(enable=False))  # off unless a preset or override turns it on
+    dynamic_sampling: DynamicSamplingConfig = opt(DynamicSamplingConfig, "DAPO dynamic sampling: groups without reward "
+                                                  "variance are dropped and more prompts rolled out until the step is full.")
+    overlong: OverlongConfig = opt(OverlongConfig, "Responses cut by rollout.max_new_tokens: left out of the loss, or "
+                                                   "punished softly (DAPO).")
 
 
 @dataclass
@@ -265,149 +301,9 @@ class Config:
     logger: LoggerConfig = opt(LoggerConfig)
 
 
-# Keys that are gone, with the key that replaced each: setting one (command line or YAML) fails naming it.
-RENAMED: dict[str, tuple[str, str]] = {  # old key: (new key, why)
-    "rollout.sglang.dtype": ("rollout.dtype", "it sets both engines"),
-    "rollout.sglang.release_weights": ("rollout.release_weights", "it sets both engines"),
-    "rollout.sglang.max_total_tokens": ("rollout.kv_pool_tokens", "it sets both engines"),
-    "rollout.sglang.max_running_requests": ("rollout.max_num_seqs", "it sets both engines"),
-}
-
-
-def renamed_error(key: str) -> UserError:
-    new, why = RENAMED[key]
-    return UserError(f"{key} was folded into {new} ({why}); use {new}=...")
-
-
 def base_configs() -> list[str]:
     """The names `--config-name` accepts: the YAML files directly in the config folder."""
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-
-
-_registered = False
-
-
-def _register() -> None:
-    global _registered
-    if not _registered:
-        from hydra.core.config_store import ConfigStore
-
-        ConfigStore.instance().store(name="sparserl_schema", node=Config)
-        _registered = True
-
-
-def _fields(cls) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls)}
-
-
-def field_type(cls: type, name: str) -> Any:
-    """The resolved annotation of field `name` of dataclass `cls`."""
-    return typing.get_type_hints(cls)[name]
-
-
-def group_type(cls: type, name: str) -> type | None:
-    """The dataclass of field `name` of `cls` when that field is a group, else None."""
-    hint = field_type(cls, name)
-    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
-
-
-def leaf_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    """Every settable key of the schema (a free-form map such as env.openreward.envs is one key), in field order."""
-    out: list[str] = []
-    for f in dataclasses.fields(cls):
-        key, sub = f"{prefix}{f.name}", group_type(cls, f.name)
-        out += leaf_keys(sub, f"{key}.") if sub is not None else [key]
-    return out
-
-
-def check_key(key: str) -> None:
-    """Raise UserError naming the replacement of a renamed key, or the closest valid keys when `key` (dotted) is
-    not in the schema."""
-    if key in RENAMED:
-        raise renamed_error(key)
-    node: type | None = Config
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        fields = _fields(node)
-        if part not in fields:
-            prefix = ".".join(parts[:i])
-            valid = [f"{prefix}.{n}" if prefix else n for n in fields]
-            close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5) or difflib.get_close_matches(part, list(fields), n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise UserError(f"unknown config key {key!r}{hint} (valid under {prefix or 'the root'}: {', '.join(fields)})")
-        sub = group_type(node, part)
-        if sub is None and i < len(parts) - 1:
-            if typing.get_origin(field_type(node, part)) is dict:  # a free-form map: its entries are checked with the loaded config (config_checks)
-                path = ".".join(parts[: i + 1])
-                raise UserError(f"unknown config key {key!r}: {path} is a map; give its entries as one value, "
-                                f"{path}={{name: {{key: value}}}}")
-            raise UserError(f"unknown config key {key!r}: {'.'.join(parts[: i + 1])} has no sub-keys")
-        node = sub
-
-
-def _is_map(key: str) -> bool:
-    """Whether `key` is a free-form map of the schema (`dict` field), which Hydra's struct mode would refuse to extend."""
-    node: Any = Config
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        if node is None or part not in _fields(node):
-            return False
-        if i == len(parts) - 1:
-            return typing.get_origin(field_type(node, part)) is dict
-        node = group_type(node, part)
-    return False
-
-
-def _override_key(override: str) -> str | None:
-    if "=" not in override:
-        raise UserError(f"bad override {override!r}: write key=value")
-    key = override.split("=", 1)[0].lstrip("+~")
-    if key in ("preset", "hydra") or key.startswith("hydra."):
-        return None
-    return key
-
-
-def _renamed_in(exc: BaseException) -> str | None:
-    """The renamed key a config file set, when that is what composing failed on."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        key = getattr(exc, "full_key", None)
-        if key in RENAMED:
-            return key
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-def load_config(overrides: list[str] | None = None, config_name: str = "grpo", config_dir: Path | None = None) -> Config:
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    overrides = list(overrides or [])
-    for i, ov in enumerate(overrides):
-        key = _override_key(ov)
-        if key is not None:
-            check_key(key)
-            if _is_map(key) and not ov.startswith(("+", "~")):  # a map's entries add to those of the config files
-                overrides[i] = "++" + ov
-    _register()
-    config_dir = Path(config_dir or CONFIG_DIR)
-    if not config_dir.exists():
-        raise UserError(f"config folder {config_dir} not found (install sparserl with pip install -e .)")
-    try:
-        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-            cfg = compose(config_name=config_name, overrides=overrides)
-        obj = OmegaConf.to_object(cfg)
-    except (HydraException, OmegaConfBaseException) as e:
-        old = _renamed_in(e)
-        if old is not None:
-            raise renamed_error(old) from None
-        raise UserError(" ".join(str(e).split())) from None
-    assert isinstance(obj, Config)
-    check_config(obj)
-    return obj
 
 
 def to_dict(cfg: Config) -> dict:

@@ -163,11 +163,18 @@ RANGES: dict[str, Rule] = {
     "actor.logprob_chunk_mb": NON_NEG,
     "actor.updates_per_rollout": COUNT,
     "actor.ppo_epochs": COUNT,
+    "actor.lora.rank": NON_NEG,
+    "actor.lora.alpha": above(0),
+    "actor.lora.dropout": within("[0, 1)"),
+    "actor.lora.target_modules": each(NON_EMPTY, min_len=1),
     "algo.clip_low": within("[0, 1)"),
     "algo.clip_high": NON_NEG,
     "algo.dual_clip": or_null(above(1)),
     "algo.entropy_coef": NON_NEG,
     "algo.kl.coef": NON_NEG,
+    "algo.dynamic_sampling.max_rounds": COUNT,
+    "algo.overlong.penalty": NON_NEG,
+    "algo.overlong.buffer": COUNT,
     "algo.correction.is_cap": or_null(NON_NEG),
     "algo.correction.veto": or_null(NON_NEG),
     "algo.correction.token_low": or_null(NON_NEG),
@@ -202,7 +209,8 @@ FREE = ("model.path", "model.activation_checkpointing", "model.allow_pickle_weig
         "env.path", "env.openreward.envs", "env.openreward.base_url", "env.openreward.serve", "rollout.release_weights", "rollout.quantize_lm_head", "rollout.kv.compress_prompt",
         "rollout.sglang.attention_backend", "rollout.sglang.cuda_graph", "rollout.sglang.memory_saver", "rollout.sglang.log_level",
         "actor.balance_ranks", "actor.fuse_old_logprobs", "actor.share_prompts", "algo.correction.enable", "algo.correction.is_batch_normalize",
-        "algo.correction.apply_to_kl", "algo.correction.rejected_in_baseline", "trainer.export_hf", "eval.datasets",
+        "algo.correction.apply_to_kl", "algo.correction.rejected_in_baseline",
+        "actor.lora.export_merged", "algo.dynamic_sampling.enable", "algo.overlong.mask", "trainer.export_hf", "eval.datasets",
         "eval.data_dir", "eval.output_dir", "logger.progress", "logger.wandb.name")
 
 
@@ -336,6 +344,13 @@ def _sglang_tp_shares_heads(cfg) -> None:
                           "agree; use rollout.kv.share=head, parallel.tp=1 or rollout.engine=native")
 
 
+def _overlong_fits(cfg) -> None:
+    o, cap = cfg.algo.overlong, cfg.rollout.max_new_tokens
+    if o.penalty > 0 and o.buffer > cap:
+        raise ConfigError(f"algo.overlong.buffer={o.buffer} must be <= rollout.max_new_tokens={cap}: the penalty ramps "
+                          "over the last buffer tokens of the length cap")
+
+
 def _openreward(cfg) -> None:
     from sparserl.rollout.openreward.spec import parse_envs  # plain Python: no SDK, no torch
 
@@ -354,7 +369,7 @@ def _openreward(cfg) -> None:
 
 # Checks relating keys of different groups: fn(cfg), run by check_config after every group.
 CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (_dual_clip_is_ppo, _nccl_needs_cuda, _quantization_device,
-                                                   _sglang_tp_shares_heads, _openreward)
+                                                   _sglang_tp_shares_heads, _overlong_fits, _openreward)
 
 
 def check_section(prefix: str, node: Any) -> None:

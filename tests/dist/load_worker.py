@@ -127,7 +127,7 @@ def main() -> None:
 
 def export_and_sync(actor: Actor, folder: Path, rank: int) -> dict:
     from sparserl.engines.native.engine import NativeEngine
-    from sparserl.trainer.grpo import export_final
+    from sparserl.actor.export import export_final
 
     cfg = SimpleNamespace(trainer=SimpleNamespace(output_dir=str(folder)))
     export_final(cfg, actor, None, rank)

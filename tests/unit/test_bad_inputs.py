@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from sparserl.config import RENAMED, leaf_keys
+from sparserl.config_load import RENAMED, leaf_keys
 from sparserl.config_checks import FREE, RANGES, RULES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,6 +147,10 @@ CASES = [
     ("actor.logprob_chunk_mb", ["actor.logprob_chunk_mb=-1"], "actor.logprob_chunk_mb=-1.0"),
     ("actor.updates_per_rollout", ["actor.updates_per_rollout=0"], "actor.updates_per_rollout=0"),
     ("actor.ppo_epochs", ["actor.ppo_epochs=0"], "actor.ppo_epochs=0"),
+    ("actor.lora.rank", ["actor.lora.rank=-8"], "actor.lora.rank=-8: must be >= 0"),
+    ("actor.lora.alpha", ["actor.lora.alpha=0"], "actor.lora.alpha=0.0: must be > 0"),
+    ("actor.lora.dropout", ["actor.lora.dropout=1"], "actor.lora.dropout=1.0: must be in [0, 1)"),
+    ("actor.lora.target_modules", ["actor.lora.target_modules=[]"], "actor.lora.target_modules=[]"),
     ("algo.adv_estimator", ["algo.adv_estimator=rloo"], "algo.adv_estimator=rloo: must be one of grpo, drgrpo"),
     ("algo.loss_agg", ["algo.loss_agg=batch"], "algo.loss_agg=batch: must be one of token, sequence"),
     ("algo.policy_loss", ["algo.policy_loss=ppoo"], "algo.policy_loss=ppoo"),
@@ -158,6 +162,12 @@ CASES = [
     ("algo.kl.coef", ["algo.kl.coef=-1e-3"], "algo.kl.coef=-0.001: must be >= 0"),
     ("algo.kl.estimator", ["algo.kl.estimator=k4"], "algo.kl.estimator=k4"),
     ("algo.kl.mode", ["algo.kl.mode=both"], "algo.kl.mode=both: must be one of loss, reward"),
+    ("algo.dynamic_sampling.max_rounds", ["algo.dynamic_sampling.max_rounds=0"],
+     "algo.dynamic_sampling.max_rounds=0: must be >= 1"),
+    ("algo.overlong.penalty", ["algo.overlong.penalty=-1"], "algo.overlong.penalty=-1.0: must be >= 0"),
+    ("algo.overlong.buffer", ["algo.overlong.buffer=0"], "algo.overlong.buffer=0: must be >= 1"),
+    ("algo.overlong.buffer_fits", ["algo.overlong.penalty=1", "algo.overlong.buffer=64", "rollout.max_new_tokens=48"],
+     "algo.overlong.buffer=64 must be <= rollout.max_new_tokens=48"),
     ("algo.correction.mode", ["algo.correction.mode=log"], "algo.correction.mode=log: must be one of apply, measure"),
     ("algo.correction.is_cap", ["algo.correction.is_cap=-1"], "algo.correction.is_cap=-1.0"),
     ("algo.correction.normalize_over", ["algo.correction.normalize_over=batch"], "algo.correction.normalize_over=batch"),
@@ -333,7 +343,8 @@ def test_every_key_has_a_rule_or_is_free_and_every_rule_a_case():
 
 def test_enum_names_are_declared_with_their_fields_and_ranges_are_not_enums():
     """An enum's names live in its field's metadata only: the hand-written table has no enum left."""
-    from sparserl.config import Config, group_type
+    from sparserl.config import Config
+    from sparserl.config_load import group_type
 
     def fields(cls=Config, prefix=""):
         for f in dataclasses.fields(cls):
