@@ -1,6 +1,6 @@
 """Pure tensor math for the RL objective: advantages, policy losses, KL estimators, loss aggregation,
-and the sparse-rollout correction. Imports torch (and torch.distributed for the optional all-reduce)
-only; no model, engine or config code lives here.
+the sparse-rollout correction and the overlong penalty and mask. Imports torch (and torch.distributed for the
+optional all-reduce) only; no model, engine or config code lives here.
 
 `CorrectionConfig` (sparserl/algo/correction_config.py) imports no torch, so the run's config can use it without
 torch; every other name loads its module on first use.
@@ -19,6 +19,7 @@ _MODULES = {
     "sparserl.algo.correction": ("Correction", "DistReduceSum", "correct", "dist_reduce_sum"),
     "sparserl.algo.kl": ("KL_ESTIMATORS", "kl_estimate", "register_kl_estimator"),
     "sparserl.algo.loss": ("LossConfig", "kl_reward_penalty", "policy_objective"),
+    "sparserl.algo.overlong": ("mask_truncated", "overlong_penalty", "overlong_ramp"),
     "sparserl.algo.policy_loss": ("POLICY_LOSSES", "ppo_clip", "register_policy_loss"),
 }
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}
@@ -29,6 +30,7 @@ __all__ = [
     "Correction", "CorrectionConfig", "DistReduceSum", "correct", "dist_reduce_sum",
     "KL_ESTIMATORS", "kl_estimate", "register_kl_estimator",
     "LossConfig", "kl_reward_penalty", "policy_objective",
+    "mask_truncated", "overlong_penalty", "overlong_ramp",
     "POLICY_LOSSES", "ppo_clip", "register_policy_loss",
 ]
 

@@ -6,8 +6,13 @@ communication; it keeps its contiguous share. Each epoch is one permutation of a
 permutation, so every row is used once per epoch and no row is dropped. The state is (epoch, offset,
 step), independent of the DP size, so a run can resume on a different number of ranks.
 
+`more(count, round)` draws the extra prompts of a dynamic-sampling round (trainer/dynamic_sampling.py) from the
+same stream, without starting a new step: the state then counts them, so a resumed run draws what the
+uninterrupted one would. An extra round's size need not divide by the DP size: its prompts are split
+contiguously, the first ranks taking one more where it does not (`split`).
+
 Left out on purpose: length-grouped or curriculum ordering, and filtering (the trainer decides what to
-do with uninformative groups).
+do with uninformative groups: trainer/dynamic_sampling.py), and giving back prompts drawn but not trained on.
 """
 from __future__ import annotations
 
@@ -24,8 +29,19 @@ from sparserl.utils.seed import derive
 class StepBatch:
     step: int
     epoch: int  # epoch of the first prompt in the batch
-    global_indices: list[int]  # prompts_per_step row indices, the same on every rank
+    global_indices: list[int]  # prompts_per_step row indices (or a dynamic-sampling round's), the same on every rank
     local_indices: list[int]  # this rank's contiguous share of global_indices
+    local_start: int = 0  # where that share starts in global_indices (a prompt's seed index is its place there)
+
+
+def split(count: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
+    """[start, end) of rank `dp_rank`'s contiguous share of `count` items; shares differ by at most one item."""
+    return dp_rank * count // dp_size, (dp_rank + 1) * count // dp_size
+
+
+def _step_batch(step: int, epoch: int, picked: list[int], dp_rank: int, dp_size: int) -> StepBatch:
+    start, end = split(len(picked), dp_rank, dp_size)
+    return StepBatch(step=step, epoch=epoch, global_indices=picked, local_indices=picked[start:end], local_start=start)
 
 
 class PromptSampler:
@@ -71,11 +87,14 @@ class PromptSampler:
     def next(self) -> StepBatch:
         first_epoch = self.epoch
         picked = self.take(self.prompts_per_step)
-        share = self.prompts_per_step // self.dp_size
-        local = picked[self.dp_rank * share : (self.dp_rank + 1) * share]
-        batch = StepBatch(step=self.step, epoch=first_epoch, global_indices=picked, local_indices=local)
+        batch = _step_batch(self.step, first_epoch, picked, self.dp_rank, self.dp_size)
         self.step += 1
         return batch
+
+    def more(self, count: int, round_: int) -> StepBatch:
+        """`count` more prompts for round `round_` (2, 3, ...) of the step `next()` last started."""
+        first_epoch = self.epoch
+        return _step_batch(self.step - 1, first_epoch, self.take(count), self.dp_rank, self.dp_size)
 
     def __iter__(self) -> Iterator[StepBatch]:
         while True:
@@ -115,9 +134,10 @@ class MixtureSampler:
         self.carry = [0.0] * len(sizes)
         self.step = 0
 
-    def quotas(self) -> list[int]:
+    def quotas(self, count: int | None = None) -> list[int]:
+        """Rows per source for the next `count` prompts (default: a step's); the remainders carry over."""
         total = sum(self.weights)
-        pps = self.outer.prompts_per_step
+        pps = self.outer.prompts_per_step if count is None else count
         want = [c + pps * w / total for c, w in zip(self.carry, self.weights)]
         quota = [math.floor(x + 1e-9) for x in want]
         for i in sorted(range(len(want)), key=lambda i: (-(want[i] - quota[i]), i))[: pps - sum(quota)]:
@@ -125,15 +145,24 @@ class MixtureSampler:
         self.carry = [x - q for x, q in zip(want, quota)]
         return quota
 
-    def next(self) -> StepBatch:
-        picked = [self.offsets[i] + r for i, q in enumerate(self.quotas()) for r in self.sources[i].take(q)]
+    def _draw(self, count: int | None, shuffle_key: list[int]) -> StepBatch:
+        picked = [self.offsets[i] + r for i, q in enumerate(self.quotas(count)) for r in self.sources[i].take(q)]
         if self.outer.shuffle:
-            picked = [picked[j] for j in np.random.default_rng([self.outer.seed, self.step, 1]).permutation(len(picked))]
-        share = self.outer.prompts_per_step // self.outer.dp_size
-        local = picked[self.outer.dp_rank * share : (self.outer.dp_rank + 1) * share]
-        batch = StepBatch(step=self.step, epoch=self.sources[0].epoch, global_indices=picked, local_indices=local)
+            picked = [picked[j] for j in np.random.default_rng([self.outer.seed, *shuffle_key]).permutation(len(picked))]
+        return _step_batch(self.step, self.sources[0].epoch, picked, self.outer.dp_rank, self.outer.dp_size)
+
+    def next(self) -> StepBatch:
+        batch = self._draw(None, [self.step, 1])
         self.step += 1
         return batch
+
+    def more(self, count: int, round_: int) -> StepBatch:
+        """`count` more prompts for round `round_` (2, 3, ...) of the step `next()` last started."""
+        self.step -= 1  # the round belongs to that step
+        try:
+            return self._draw(count, [self.step, 1, round_])
+        finally:
+            self.step += 1
 
     def __iter__(self) -> Iterator[StepBatch]:
         while True:

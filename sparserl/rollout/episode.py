@@ -27,7 +27,8 @@ class Sample:
     score: float = 0.0
     status: str = "ok"  # ok | truncated | error | timeout | aborted
     num_turns: int = 0
-    finish_reason: str = ""
+    finish_reason: str = ""  # the last model turn's: "length" = cut by a length limit (algo.overlong)
+    turn_lens: list[int] = field(default_factory=list)  # model tokens of each turn, in order
     kv: list[KVStats] = field(default_factory=list)
     compressed_at: list[int] = field(default_factory=list)  # response positions of the first token after each compression
     extra_info: dict[str, Any] = field(default_factory=dict)
@@ -95,6 +96,18 @@ class EnvCalls:
             return await asyncio.wait_for(coro, self.timeout_s)
         except asyncio.TimeoutError:
             raise EnvTimeout(f"env.{what} did not return within env.step_timeout_s={self.timeout_s:g}") from None
+
+
+def last_turn_len(sample: Sample) -> int:
+    """Model tokens of the sample's last turn: the one a length limit can cut (a cut turn ends the episode). A
+    sample built without per-turn lengths counts all its model tokens."""
+    return sample.turn_lens[-1] if sample.turn_lens else sum(sample.loss_mask)
+
+
+def cut_by_length(sample: Sample) -> bool:
+    """Whether the sample's last model turn ended at a length limit (`rollout.max_new_tokens`, or the room left in
+    the context) instead of at EOS or a stop string."""
+    return sample.finish_reason == "length"
 
 
 def failure_status(e: BaseException) -> str:

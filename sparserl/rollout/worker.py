@@ -89,6 +89,7 @@ def _append_turn(live: _Live, gen: Generation) -> None:
     s.loss_mask += [1] * len(gen.token_ids)
     s.logp_sparse += [float(x) for x in gen.logp_sparse]
     s.kv.append(gen.kv)
+    s.turn_lens.append(len(gen.token_ids))
     s.finish_reason = gen.finish_reason
     s.num_turns += 1
 

@@ -1,12 +1,19 @@
-"""Group advantages of one step's batch: rewards (minus the KL penalty under `algo.kl.mode=reward`) through the
-configured estimator (algo/advantages.py), one group per prompt's `rollout.n` samples.
+"""Group advantages of one step's batch: rewards (minus DAPO's overlong penalty under `algo.overlong.penalty > 0`,
+and the KL penalty under `algo.kl.mode=reward`) through the configured estimator (algo/advantages.py), one group
+per prompt's `rollout.n` samples.
+
+`shaped_rewards` is the reward the advantages see before the KL penalty: the env's reward minus the overlong
+ramp of the sample's last model turn (the turn the length cap can cut; algo/overlong.py). Dynamic sampling
+filters groups on the same rewards (trainer/dynamic_sampling.py). A sample cut by a length limit and left out
+of the loss (`algo.overlong.mask`, trainer/train_batch.py) still counts in its group's baseline here.
 
 `set_advantages` also decides which sequences count in the group baseline: all of them (the paper, and
 `algo.correction.rejected_in_baseline=true`), or only those the correction kept. Where logp_old is known before
 the update (the separate-pass path) it also logs `mismatch/low_xi_*`; the single-update path logs them from the
 update (trainer/old_logprobs.py).
 
-Left out on purpose: dynamic sampling (dropping groups whose rewards have zero variance) and partial rollouts.
+Left out on purpose: partial rollouts, and filtering groups here: dynamic sampling drops the groups without
+signal before the batch exists (trainer/dynamic_sampling.py), so every group that reaches this point trains.
 """
 from __future__ import annotations
 
@@ -16,22 +23,53 @@ from sparserl.actor.actor import TrainBatch
 from sparserl.algo.advantages import compute_advantages
 from sparserl.algo.correction import dist_reduce_sum, low_xi_metrics
 from sparserl.algo.loss import LossConfig, kl_reward_penalty
+from sparserl.algo.overlong import overlong_penalty
 from sparserl.config import AlgoConfig
-from sparserl.rollout.episode import Sample
+from sparserl.rollout.episode import Sample, cut_by_length, last_turn_len
 from sparserl.trainer.train_batch import pad
 
 
+def shaped_rewards(algo: AlgoConfig, samples: list[Sample], max_new_tokens: int | None,
+                   device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards (B,), overlong penalties (B,)): the env's rewards minus the penalties (zeros when it is off)."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device)
+    o = algo.overlong
+    if o.penalty == 0:
+        return rewards, torch.zeros_like(rewards)
+    if max_new_tokens is None:
+        raise ValueError("algo.overlong.penalty > 0 needs rollout.max_new_tokens (the length cap it ramps up to)")
+    lengths = torch.tensor([last_turn_len(s) for s in samples], dtype=torch.float32, device=device)
+    penalty = overlong_penalty(lengths, max_new_tokens, o.buffer, o.penalty)
+    return rewards - penalty, penalty
+
+
+def overlong_metrics(algo: AlgoConfig, samples: list[Sample], penalty: torch.Tensor, dp_group=None) -> dict[str, float]:
+    """`overlong/masked_frac` and `overlong/penalty_mean` over the step's trained samples on every DP rank."""
+    o = algo.overlong
+    if not o.mask and o.penalty == 0:
+        return {}
+    local = torch.tensor([float(len(samples)), float(sum(map(cut_by_length, samples))), float(penalty.sum())],
+                         dtype=torch.float64, device=penalty.device)
+    count, cut, total = dist_reduce_sum(dp_group)(local).tolist()
+    out = {}
+    if o.mask:
+        out["overlong/masked_frac"] = cut / max(count, 1.0)
+    if o.penalty:
+        out["overlong/penalty_mean"] = total / max(count, 1.0)
+    return out
+
+
 def set_advantages(algo: AlgoConfig, batch: TrainBatch, samples: list[Sample], n: int, rejected: torch.Tensor | None,
-                   loss_cfg: LossConfig, dp_group=None) -> dict:
+                   loss_cfg: LossConfig, dp_group=None, max_new_tokens: int | None = None) -> dict:
     """Sets `batch.advantages` (B,); returns the metrics.
 
     `rejected` (B,) is None on the single-update path, which is never taken when advantages depend on it.
     Where logp_old is already known (the separate-pass path), also the `mismatch/low_xi_*` metrics, on the
     samples' own response masks (batch.mask may be the corrected one by now); the single-update path logs
-    them from `FusedOldLogprobLoss.finalize`.
+    them from `FusedOldLogprobLoss.finalize`. `max_new_tokens`: the length cap of the overlong penalty.
     """
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=batch.mask.device)
-    metrics: dict[str, float] = {}
+    rewards, penalty = shaped_rewards(algo, samples, max_new_tokens, batch.mask.device)
+    metrics: dict[str, float] = overlong_metrics(algo, samples, penalty, dp_group)
     if loss_cfg.kl_coef and loss_cfg.kl_mode == "reward":
         penalty, m = kl_reward_penalty(loss_cfg, batch.logp_old, batch.logp_ref, batch.mask)
         rewards = rewards - penalty.sum(-1)

@@ -11,6 +11,8 @@ Each step, top to bottom (reasons in docs/decisions.md):
   8. log (metrics, logged samples) and checkpoint.
 Steps 3, 4 and 6's loss come from one `OldLogprobs` strategy (trainer/old_logprobs.py): a separate forward pass
 before the update, or, with one update per rollout, the update's own forward with the correction inside it.
+With `algo.dynamic_sampling.enable`, step 1 runs in rounds until the step has enough groups with a learning signal
+(trainer/dynamic_sampling.py); without it, it is one round.
 This file orchestrates; the work happens in the functions it calls.
 
 The command line (`--help`, `--cfg job`, overrides) and every input are checked before the training stack
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 
 from sparserl.cli import parse_cli
 from sparserl.config import Config
@@ -55,6 +58,7 @@ def train(cfg: Config) -> None:
     from sparserl.trainer.faults import PREEMPTED_EXIT_CODE, Preemption, check_skips, injected_nan
     from sparserl.trainer.advantages import set_advantages
     from sparserl.trainer.balance import balance_ranks
+    from sparserl.trainer.dynamic_sampling import DynamicSampling, Round, round_seed
     from sparserl.trainer.loss import loss_config
     from sparserl.trainer.old_logprobs import OldLogprobs
     from sparserl.trainer.train_batch import to_train_batch
@@ -63,7 +67,7 @@ def train(cfg: Config) -> None:
     from sparserl.utils.logging import log0, progress
     from sparserl.utils.memory import PhasePeaks, release_free_memory
     from sparserl.utils.errors import RunStopped
-    from sparserl.utils.seed import seed_step, set_seed, step_seed
+    from sparserl.utils.seed import seed_step, set_seed
     from sparserl.utils.timers import Timers
 
     info, dims, mesh = S.start_processes(cfg)
@@ -103,7 +107,43 @@ def train(cfg: Config) -> None:
     old_logprobs = OldLogprobs.choose(cfg, actor, loss_cfg)  # a separate pass, or the update's own forward
     log0(f"old log-probs: {old_logprobs.description}")
     timers = Timers(memory=PhasePeaks(info.device))
-    dp_rank, share = mesh["dp"].get_local_rank(), cfg.trainer.prompts_per_step // dims.dp
+    dynamic = DynamicSampling(cfg.algo, params.n, cfg.rollout.max_new_tokens, cfg.trainer.prompts_per_step, sampler,
+                              actor.dp_group, mesh["dp"].get_local_rank(), dims.dp, info.device)
+
+    def roll_out(step: int, draw, round_: int) -> Round:
+        """One rollout round of `step`. With tp > 1 only the TP group's owner runs the engine and the env loop; its
+        peers receive its samples, rollout metrics and engine stats (parallel.TPShare), so the group trains on one
+        batch whatever the env does per process."""
+        if round_ > 1 and dynamic.judges_correction:  # the last round's dense pass put the engine to sleep
+            if cfg.rollout.release_weights:
+                with timers("weight_sync"):
+                    sync_weights(actor.full_state(), engine)
+            if tp_share.is_owner:
+                engine.wake()
+        rolled = None
+        with timers("rollout"):
+            if tp_share.is_owner:
+                # Each prompt's samples are keyed by (seed, step, round, its place in the round's global batch): the
+                # same whatever the number of processes (elastic resume).
+                engine.set_seed(round_seed(cfg.trainer.seed, step, round_))
+                step_rows, texts = [rows[i] for i in draw.local_indices], [prompts[i] for i in draw.local_indices]
+                rolled = ([], {})
+                if step_rows:
+                    label = f"rollout {step}" if round_ == 1 else f"rollout {step}.{round_}"
+                    with progress(len(step_rows) * params.n, label, info.rank, cfg.logger.progress) as bar:
+                        rolled = rollout(_Progress(engine, bar), tokenizer, task.env, step_rows, texts, params,
+                                         max_turns=cfg.env.max_turns, max_total_tokens=task.max_total_tokens(num_slots),
+                                         seed_indices=[draw.local_start + j for j in range(len(step_rows))],
+                                         step_timeout_s=cfg.env.step_timeout_s, max_concurrency=cfg.env.max_concurrency)
+                rolled += (engine.stats(),)
+            return Round(*tp_share.from_owner(rolled))
+
+    def dense_logprobs(batch):
+        """Dynamic sampling's judge under the correction: a round's logp_old, the engine asleep meanwhile."""
+        engine.sleep()
+        release_free_memory()
+        with timers("old_logprobs"):
+            return actor.logprobs(batch)
 
     def save(step: int) -> None:
         state = {"step": step, "scheduler": actor.scheduler.state_dict(), "sampler": sampler.state_dict(),
@@ -114,28 +154,16 @@ def train(cfg: Config) -> None:
         t_step = time.perf_counter()
         seed_step(cfg.trainer.seed, step, info.rank)
         batch_idx = sampler.next()
-        step_rows = [rows[i] for i in batch_idx.local_indices]
-        texts = [prompts[i] for i in batch_idx.local_indices]
 
-        # 1: rollout with fresh weights. With tp > 1 only the TP group's owner runs the engine and the env loop;
-        # its peers receive its samples, rollout metrics and engine stats (parallel.TPShare), so the group trains on
-        # one batch whatever the env does per process.
-        rolled = None
+        # 1: rollout with fresh weights: one round, or with dynamic sampling rounds until the step has
+        # trainer.prompts_per_step groups with a learning signal (this rank's share of them in `samples`).
         if tp_share.is_owner:
             engine.wake()
             engine.reset_stats()
-            # Each prompt's samples are keyed by (seed, step, its place in the global batch): the same whatever the
-            # number of processes (elastic resume).
-            engine.set_seed(step_seed(cfg.trainer.seed, step))
-        with timers("rollout"):
-            if tp_share.is_owner:
-                with progress(len(step_rows) * params.n, f"rollout {step}", info.rank, cfg.logger.progress) as bar:
-                    rolled = rollout(_Progress(engine, bar), tokenizer, task.env, step_rows, texts, params,
-                                     max_turns=cfg.env.max_turns, max_total_tokens=task.max_total_tokens(num_slots),
-                                     seed_indices=[dp_rank * share + j for j in range(len(step_rows))],
-                                     step_timeout_s=cfg.env.step_timeout_s, max_concurrency=cfg.env.max_concurrency)
-                rolled += (engine.stats(),)
-            samples, rollout_metrics, engine_stats = tp_share.from_owner(rolled)
+        step_rollout = dynamic.collect(batch_idx, partial(roll_out, step),
+                                       dense_logprobs if dynamic.judges_correction else None)
+        samples, rollout_metrics = step_rollout.samples, step_rollout.rollout_metrics
+        engine_stats = step_rollout.engine_stats
 
         # 2: the engine sleeps, giving the KV memory back for training.
         engine.sleep()  # a peer's engine never woke; this still drops its weights under rollout.release_weights
@@ -143,7 +171,7 @@ def train(cfg: Config) -> None:
 
         # 3: logp_old, the dense log-probs of the sampled tokens under the same weights (a separate pass, or nothing
         # yet: then the update's own forward supplies them), and the reference's.
-        batch = to_train_batch(samples, info.device)
+        batch = to_train_batch(samples, info.device, cfg.algo.overlong.mask, step_rollout.logp_old)
         old_logprobs.compute(batch, timers("old_logprobs"))  # the phase's timer, entered by a separate pass only
         if ref is not None:
             with timers("ref_logprobs"):
@@ -153,7 +181,8 @@ def train(cfg: Config) -> None:
         rejected = old_logprobs.correct(batch)
 
         # 5: group advantages.
-        adv_metrics = set_advantages(cfg.algo, batch, samples, params.n, rejected, loss_cfg, actor.dp_group)
+        adv_metrics = set_advantages(cfg.algo, batch, samples, params.n, rejected, loss_cfg, actor.dp_group,
+                                     cfg.rollout.max_new_tokens)
         if injected_nan(step, info.rank):  # SPARSERL_FAULT drill (trainer/faults.py)
             batch.advantages.fill_(float("nan"))
 
@@ -176,9 +205,9 @@ def train(cfg: Config) -> None:
         if sample_log.enabled:
             with timers("log_samples"):
                 sample_log.log(step, samples, batch, correction_metrics.get("correction/norm_factor", 1.0), actor.dp_group)
-        metrics = gather_step_metrics(step, samples, rollout_metrics, engine_stats, batch, timers.pop(),
+        metrics = gather_step_metrics(step, step_rollout.rolled, rollout_metrics, engine_stats, batch, timers.pop(),
                                       time.perf_counter() - t_step, actor.dp_group, info.device)
-        metrics.update(correction_metrics | adv_metrics | balance_metrics | actor_metrics)
+        metrics.update(step_rollout.metrics | correction_metrics | adv_metrics | balance_metrics | actor_metrics)
         metrics.update(memory_metrics(info.device, actor.dp_group))
         last = step == cfg.trainer.total_steps or step == cfg.trainer.stop_after
         metrics.update(evals.maybe(step, last))

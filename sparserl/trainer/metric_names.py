@@ -32,6 +32,13 @@ GROUPS: dict[str, str] = {
     "response": "Lengths and endings of the sampled responses, over all ranks.",
     "env": "How the episodes went, over all ranks.",
     "adv": "Group advantages (`algo.adv_estimator`) of the sequences on rank 0.",
+    "dynamic": ("Dynamic sampling (`algo.dynamic_sampling.enable=true`): the step's rollout rounds and the groups "
+                "(a prompt's `rollout.n` samples) with a learning signal, over all data-parallel ranks "
+                "(docs/training.md). With it on, the reward/, score/, response/, env/ and kv/ metrics cover every "
+                "round's samples, dropped groups included; adv/, actor/, mismatch/, correction/ and overlong/ the "
+                "groups trained on."),
+    "overlong": ("Responses cut by a length limit (`algo.overlong.*`), over the step's trained samples on all "
+                 "data-parallel ranks."),
     "actor": "The policy update: means over the step's optimizer steps and all ranks.",
     "mismatch": ("How far the sampler's log-probs (logp_sparse) are from the trainer's dense recompute (logp_old) on "
                  "the sampled response tokens of the step, all ranks; logged whether or not the correction is on "
@@ -69,6 +76,7 @@ TOOL_COUNTERS: dict[str, str] = {
 
 SFT = "python -m sparserl.trainer.sft too"
 CORRECTION = "`algo.correction.enable=true`"
+DYNAMIC = "`algo.dynamic_sampling.enable=true`"
 
 METRICS: tuple[Metric, ...] = (
     Metric("step", "The training step, from 1; the evaluation before training has a row of its own with step 0",
@@ -98,6 +106,22 @@ METRICS: tuple[Metric, ...] = (
     Metric("adv/zero_std_group_frac", "Share of groups whose rewards all tie: their advantages are 0 (no learning signal)"),
     Metric("adv/valid_frac", "Share of sequences counted in their group's baseline (below 1 only with "
            "`algo.correction.rejected_in_baseline=false` and rejected sequences)"),
+    # dynamic/
+    Metric("dynamic/rounds", "Rollout rounds the step ran (1 = the first round was enough)", DYNAMIC),
+    Metric("dynamic/prompts_drawn", "Prompts rolled out over those rounds (`trainer.prompts_per_step` in the first)",
+           DYNAMIC),
+    Metric("dynamic/informative_frac", "Share of those prompts whose group had a learning signal: some sample in "
+           "the loss with a non-zero advantage", DYNAMIC),
+    Metric("dynamic/groups", "Groups the step trained on (`trainer.prompts_per_step` when the target was reached; "
+           "fewer after `max_rounds`, a multiple of the data-parallel size)", DYNAMIC),
+    Metric("dynamic/target_reached", "1 when the rounds found `trainer.prompts_per_step` informative groups, else 0",
+           DYNAMIC),
+    # overlong/
+    Metric("overlong/masked_frac", "Share of the trained samples left out of the loss because their last model turn "
+           "was cut by a length limit (they still count in their group's baseline)", "`algo.overlong.mask=true`"),
+    Metric("overlong/penalty_mean", "Mean soft overlong penalty subtracted from the rewards (DAPO's ramp over the "
+           "last `algo.overlong.buffer` tokens of `rollout.max_new_tokens`, times `algo.overlong.penalty`)",
+           "`algo.overlong.penalty > 0`"),
     # actor/
     Metric("actor/loss", "The loss: policy-gradient term + `algo.kl.coef` x KL term - `algo.entropy_coef` x entropy "
            "(SFT: mean cross-entropy per target token)", SFT),

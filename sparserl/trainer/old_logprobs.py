@@ -11,6 +11,9 @@ the trainer that depends on the choice:
 batch: with one optimizer step per rollout the old policy IS the learner at the update's first forward, so the
 detached log-probs of the loss forward are exactly logp_old, and the correction is computed inside the update
 (`FusedOldLogprobLoss`). `fused_old_logprobs` says when that gives the same update, and if not, why.
+Dynamic sampling with the correction applied (trainer/dynamic_sampling.py) needs the rejections before the update
+to drop groups rejected whole: it takes the separate pass, run per rollout round, and `SeparatePass.compute` finds
+logp_old already in the batch.
 
 Left out on purpose: a stale logp_old (reusing the sampler's, or the previous step's) and the single-update path
 for several optimizer steps per rollout (after the first step the learner is no longer the old policy).
@@ -48,6 +51,9 @@ def fused_old_logprobs(cfg: Config) -> tuple[bool, str]:
         return False, "algo.kl.mode=reward puts KL(old || ref) into the rewards, before the update"
     if applying and not c.rejected_in_baseline:
         return False, "algo.correction.rejected_in_baseline=false: advantages need the rejections before the update"
+    if applying and algo.dynamic_sampling.enable:
+        return False, ("algo.dynamic_sampling with the correction applied: groups it rejects whole are dropped before "
+                       "the update")
     if applying and c.is_batch_normalize and (algo.entropy_coef != 0 or (kl_in_loss and not c.apply_to_kl)):
         return False, ("the batch-normalized correction weights scale the policy term but not the KL / entropy terms, "
                        "so one gradient scale cannot apply the normalizer afterwards")
@@ -92,6 +98,8 @@ class SeparatePass(OldLogprobs):
         self._metrics: dict[str, float] = {}
 
     def compute(self, batch: TrainBatch, timer: AbstractContextManager) -> None:
+        if batch.logp_old is not None:  # dynamic sampling's rounds computed it (the same weights), to judge groups
+            return
         with timer:
             batch.logp_old = self.actor.logprobs(batch)
 
