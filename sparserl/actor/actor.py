@@ -9,6 +9,9 @@ Tensor parallelism is applied by parallelize.py (TP plans as data, vocabulary-pa
 With more than one process the checkpoint is read on rank 0 only and broadcast into the sharded model
 (hf.py `load_model_rank0`, `load_on` / `SPARSERL_LOAD_ON=all` to read it on every rank); `full_state()` gathers
 the weights back one tensor at a time, in the dtype and on the ranks the consumer asks for (`FullState`).
+With `lora` (actor.lora.rank > 0, lora.py) the model carries peft adapters: only they train (optimizer, clipping,
+checkpoint), `full_state()` yields the merged weights under the original names, and `reference()` is the same
+model with its adapters off (the KL reference without a second copy).
 Left out on purpose: CPU offload of optimizer state.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from sparserl.actor import lora as lora_lib
 from sparserl.actor.hf import load_model, load_model_rank0, load_on_choice, parse_dtype
 from sparserl.actor.logprobs import DEFAULT_CHUNK_MB, PackedSeqs, packed_logprobs, prompt_key
 from sparserl.actor.optim import build_optimizer, build_scheduler
@@ -66,7 +70,8 @@ class Actor:
                  warmup_steps: int = 0, total_steps: int = 1, min_lr_ratio: float = 0.0, max_grad_norm: float = 1.0,
                  max_tokens_per_device: int = 8192, activation_checkpointing: bool = False, trainable: bool = True,
                  sampling: tuple[float, float, int] = (1.0, 1.0, 0), entropy_grad: bool = False,
-                 logprob_chunk_mb: float = DEFAULT_CHUNK_MB, share_prompts: bool = True, load_on: str | None = None) -> None:
+                 logprob_chunk_mb: float = DEFAULT_CHUNK_MB, share_prompts: bool = True, load_on: str | None = None,
+                 lora=None, seed: int = 0) -> None:
         self.device = device
         self.mesh = mesh
         self.max_tokens = max_tokens_per_device
@@ -79,10 +84,13 @@ class Actor:
         # other ranks build the model on the meta device and get their shards from rank 0 once it is parallelized.
         # "all": every rank reads it. One process always reads it directly.
         from_rank0 = load_on_choice(load_on) == "rank0" and dist.is_initialized() and dist.get_world_size() > 1
+        # lora: a sparserl LoRAConfig; adapters are injected before parallelism, A seeded by `seed` on every rank.
+        self.lora = lora if trainable and lora_lib.enabled(lora) else None
+        prepare = (lambda m: lora_lib.inject(m, self.lora, seed)) if self.lora is not None else None
         if from_rank0:
-            model, full_state, buffers = load_model_rank0(model_path, dtype)
+            model, full_state, buffers = load_model_rank0(model_path, dtype, prepare)
         else:
-            model = load_model(model_path, dtype, device)
+            model = load_model(model_path, dtype, device, prepare)
         use_packed_attention(model)
         if activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -97,9 +105,12 @@ class Actor:
         self.optimizer = self.scheduler = None
         self.consecutive_skips = 0  # optimizer steps skipped in a row by the non-finite guard (_step)
         self._bad_loss = torch.zeros((), dtype=torch.bool, device=device)
+        # What the optimizer, clipping and gradient scaling touch: every parameter, or only the adapters. FSDP2
+        # gathers the frozen base for forward and backward only; it reduce-scatters gradients of these alone.
+        self.params = [p for p in self.model.parameters() if p.requires_grad] if trainable else []
         if trainable:
             self.model.train()
-            self.optimizer = build_optimizer(self.model.parameters(), lr, betas, weight_decay)
+            self.optimizer = build_optimizer(self.params, lr, betas, weight_decay)
             self.scheduler = build_scheduler(self.optimizer, lr_schedule, warmup_steps, total_steps, min_lr_ratio)
         else:
             self.model.eval()
@@ -133,13 +144,26 @@ class Actor:
         """Dense log-probs of every response token under the current weights: (B, T)."""
         T = batch.mask.shape[1]
         out = None
-        for mb in self._microbatches(batch, list(range(len(batch)))):
-            logp, _ = self._forward(batch, mb, with_entropy=False)
-            if out is None:  # float32, or float64 for a float64 model
-                out = torch.zeros(len(batch), T, device=self.device, dtype=logp.dtype)
-            for row, i in enumerate(mb):
-                out[i, : logp.shape[1]] = logp[row]
+        with self._without_adapter_dropout():
+            for mb in self._microbatches(batch, list(range(len(batch)))):
+                logp, _ = self._forward(batch, mb, with_entropy=False)
+                if out is None:  # float32, or float64 for a float64 model
+                    out = torch.zeros(len(batch), T, device=self.device, dtype=logp.dtype)
+                for row, i in enumerate(mb):
+                    out[i, : logp.shape[1]] = logp[row]
         return out
+
+    @contextlib.contextmanager
+    def _without_adapter_dropout(self):
+        """LoRA dropout (actor.lora.dropout) regularizes the update only: log-probs are the policy's, in eval mode."""
+        if self.lora is None or self.lora.dropout == 0 or not self.model.training:
+            yield
+            return
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train()
 
     # ------------------------------------------------------------------ update
     def update(self, batch: TrainBatch, loss_fn: LossFn, num_minibatches: int = 1, epochs: int = 1,
@@ -195,7 +219,7 @@ class Actor:
         if finalize is not None:  # normalizers known only now (trainer/old_logprobs.py FusedOldLogprobLoss)
             grad_scale, metric_scales = finalize(batch, index, norm)
             if grad_scale != 1.0:
-                for p in self.model.parameters():
+                for p in self.params:
                     if p.grad is not None:
                         p.grad.mul_(grad_scale)
             out = {k: v * metric_scales.get(k, 1.0) for k, v in out.items()}
@@ -215,7 +239,7 @@ class Actor:
         finite, no rank steps the optimizer or the LR schedule (the decision is the same everywhere: the
         flags are all-reduced and the norm is global), the gradients are dropped and
         `consecutive_skips` counts it for the trainer's `trainer.max_skipped_steps`."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         flags = torch.stack([self._bad_loss.to(self.device, torch.float32),
@@ -252,6 +276,22 @@ class Actor:
         every rank must iterate to the end. See `FullState.gather` for the engine's dtype and non-receiving ranks."""
         return FullState(self.model)
 
+    def reference(self) -> "AdaptersOff":
+        """The KL reference of a LoRA actor: this model with its adapters off, i.e. the base model."""
+        assert self.lora is not None, "reference(): only a LoRA actor holds its base model"
+        return AdaptersOff(self)
+
+
+class AdaptersOff:
+    """A LoRA actor's base model (adapters off) as a frozen actor: `logprobs` only, sharing the actor's weights."""
+
+    def __init__(self, actor: Actor) -> None:
+        self.actor = actor
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        with lora_lib.adapters_off(self.actor.model):
+            return self.actor.logprobs(batch)
+
 
 class FullState:
     """A model's state by name, each tensor gathered from its shards when the walk reaches it (one at a time).
@@ -263,6 +303,8 @@ class FullState:
         so the values are those the consumer would get by casting the full tensor.
       - keep=False: this rank only takes part in the gathers (collectives) and drops each result at once; it
         yields (name, None).
+    A model with LoRA adapters yields its merged weights under the original (non-peft) names (lora.py
+    `merged_state`): an adapted weight is merged in the actor's dtype and cast afterwards.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -272,6 +314,9 @@ class FullState:
         return self.gather()
 
     def gather(self, dtype: torch.dtype | None = None, keep: bool = True) -> Iterator[tuple[str, torch.Tensor | None]]:
+        if lora_lib.has_adapters(self.model):  # merged weights under the original names
+            yield from lora_lib.merged_state(self.model, dtype, keep)
+            return
         for name, t in self.model.state_dict().items():  # state_dict() tensors are detached
             if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                 t = t.to(dtype)  # on a DTensor: the local shard, no communication

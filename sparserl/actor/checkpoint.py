@@ -17,6 +17,11 @@ Safe loading. `trainer_state.pt` is read with `torch.load(weights_only=True)`: o
 strings and containers of them load; a file that would unpickle anything else (which can run code) is
 refused with a one-line error.
 
+LoRA actors (actor.lora.rank > 0, actor/lora.py). When some parameters are frozen, a checkpoint holds only the
+trained ones (the adapters) and their optimizer state: the frozen base is `model.path` itself and is read from there
+on resume. Resuming a checkpoint whose tensors do not match this run's (LoRA into full fine-tuning, another rank or
+other target modules) is a one-line error naming both.
+
 Left out on purpose: async saves, and checkpoints on storage other than a filesystem shared by all ranks.
 """
 from __future__ import annotations
@@ -29,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sparserl.utils.errors import UserError, one_line
 
@@ -79,7 +84,7 @@ def save(output_dir: str | Path, step: int, model, optimizer, state: dict, rank:
         _sweep(root)
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    dcp.save({"model": _trained(model, model_sd), "optim": optim_sd}, checkpoint_id=str(tmp))
     if rank == 0:
         torch.save(state, tmp / STATE_FILE)
     _barrier()
@@ -131,7 +136,39 @@ def load(path: Path, model, optimizer) -> dict:
     is touched."""
     state = read_state(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    shards = {"model": model_sd, "optim": optim_sd}
+    trained = _trained(model, model_sd)
+    _check_tensors(path, trained)
+    shards = {"model": trained, "optim": optim_sd}
     dcp.load(shards, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"])
+    set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"],
+                   options=StateDictOptions(strict=len(trained) == len(model_sd)))
     return state
+
+
+def _trained(model, model_sd: dict) -> dict:
+    """The model state a checkpoint holds: all of it, or only the trained parameters when some are frozen (LoRA)."""
+    params = dict(model.named_parameters())
+    if all(p.requires_grad for p in params.values()):
+        return model_sd
+    return {k: v for k, v in model_sd.items() if k in params and params[k].requires_grad}
+
+
+def _check_tensors(path: Path, want: dict) -> None:
+    """A UserError when the checkpoint's model tensors are not the ones this run trains (names and shapes)."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model."): tuple(m.size) for k, m in meta.items() if k.startswith("model.") and hasattr(m, "size")}
+    adapters = lambda keys: any(".lora_A." in k for k in keys)  # noqa: E731
+    if adapters(saved) != adapters(want):
+        what = {True: "LoRA adapters (actor.lora.rank > 0)", False: "a fully fine-tuned model (actor.lora.rank=0)"}
+        raise UserError(f"trainer.resume={path}: the checkpoint holds {what[adapters(saved)]}, but this run trains "
+                        f"{what[adapters(want)]}; resume with the settings it was saved with")
+    if not adapters(want):
+        return  # full fine-tuning: DCP itself names a missing tensor
+    missing = sorted(set(want) - set(saved))
+    if missing:
+        raise UserError(f"trainer.resume={path}: the checkpoint lacks {len(missing)} tensor(s) this run trains, e.g. "
+                        f"{missing[0]} (another model, or other actor.lora.target_modules?)")
+    for k, t in want.items():
+        if tuple(t.shape) != saved[k]:
+            raise UserError(f"trainer.resume={path}: {k} is {list(saved[k])} in the checkpoint but {list(t.shape)} in "
+                            "this run (another model, or another actor.lora.rank?)")

@@ -11,7 +11,10 @@ tensors one at a time, each rank keeping its shards. So no process but rank 0 ev
 actor's weights (a 7B model in fp32 is 28 GB per process); rank 0 holds the checkpoint and its own shards
 until the broadcast ends. `SPARSERL_LOAD_ON=all` goes back to every rank reading the files (`load_on_choice`),
 which can be the faster start when the checkpoint sits on a fast shared filesystem and host memory is plentiful.
-Left out on purpose: quantized training, LoRA adapters, remote code models (`trust_remote_code` is off).
+Both loaders take `prepare`, a function applied to the model before its tensors are listed (the LoRA actor injects
+its adapters there, actor/lora.py), so every rank builds the same adapted model and rank 0's adapter values reach
+the others with the checkpoint's.
+Left out on purpose: quantized training, remote code models (`trust_remote_code` is off).
 """
 from __future__ import annotations
 
@@ -114,10 +117,12 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_model(path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"):
+def load_model(path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu", prepare=None):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=parse_dtype(dtype))
+    if prepare is not None:
+        prepare(model)
     return model.to(device)
 
 
@@ -133,7 +138,7 @@ def load_on_choice(value: str | None = None) -> str:
     return choice
 
 
-def load_model_rank0(path: str, dtype: str | torch.dtype = "float32"):
+def load_model_rank0(path: str, dtype: str | torch.dtype = "float32", prepare=None):
     """Read the checkpoint on global rank 0 only; every rank gets the same model, built on the meta device.
 
     Returns (meta model, full state dict, non-persistent buffers). The state dict holds the checkpoint's
@@ -153,6 +158,8 @@ def load_model_rank0(path: str, dtype: str | torch.dtype = "float32"):
     payload: list = [None]
     if dist.get_rank() == 0:
         loaded = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=parse_dtype(dtype))
+        if prepare is not None:
+            prepare(loaded)
         full = loaded.state_dict()
         buffers = {name: b for name, b in loaded.named_buffers() if name not in full}
         dtypes = {name: t.dtype for name, t in itertools.chain(loaded.named_parameters(), loaded.named_buffers())}
@@ -162,6 +169,8 @@ def load_model_rank0(path: str, dtype: str | torch.dtype = "float32"):
     config, dtypes, buffers = payload[0]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=parse_dtype(dtype))
+        if prepare is not None:
+            prepare(model)
     built = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
     if set(built) != set(dtypes):
         diff = sorted(set(built) ^ set(dtypes))

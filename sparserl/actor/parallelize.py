@@ -7,6 +7,7 @@ giving 2-D (dp, tp) parameters. With the LM head split by vocabulary, the model'
 log-prob code knows to combine slices instead of calling a dense log-softmax.
 Both work on a model built on the meta device (hf.py `load_model_rank0`); `materialize` then gives it storage
 and rank 0's checkpoint values, so only rank 0 ever holds the full model.
+LoRA adapters (lora.py) are split with the module they adapt, so that `B @ A` is sharded like its base weight.
 Model code never imports this. Left out on purpose: sequence parallelism, pipeline parallelism, and
 tp-aware rollout engines (the native engine holds a full copy of the weights).
 """
@@ -21,6 +22,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from sparserl.actor.logprobs import SHARD_ATTR, install_logprob_head
+from sparserl.actor.lora import tp_targets
 from sparserl.actor.tp_plans import tp_plan
 from sparserl.actor.vocab_parallel import ATTR, VocabShard
 from sparserl.parallel import ParallelDims
@@ -38,7 +40,10 @@ def parallelize(model: torch.nn.Module, mesh, param_dtype: torch.dtype, reduce_d
     install_logprob_head(model)  # before tp: the head's own forward works on local vocabulary slices
     tp = mesh["tp"]
     if tp.size() > 1:
+        trains = {name: p.requires_grad for name, p in model.named_parameters()}
         apply_tensor_parallel(model, tp)
+        for name, p in model.named_parameters():  # the parallel styles make new Parameters; frozen stays frozen
+            p.requires_grad_(trains[name])
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     dp = mesh["dp"]
     for layer in decoder_layers(model):
@@ -125,7 +130,9 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
         if key is not None:
             # src_data_rank=None: no scatter. Either every rank loaded the same checkpoint and keeps its own slice,
             # or the model is on the meta device and its values arrive later from rank 0 (`materialize`).
-            parallelize_module(module, tp_mesh, styles[plan[key]], src_data_rank=None)
+            # A LoRA-adapted module is split part by part (lora.py `tp_targets`).
+            for _, part, style in tp_targets(name, module, plan[key]):
+                parallelize_module(part, tp_mesh, styles[style], src_data_rank=None)
             matched[key] += 1
     missing = [k for k, n in matched.items() if n == 0]
     if missing:

@@ -9,6 +9,8 @@ works as it is:
   - `receives_weights` (default True): False on a rank whose engine lives in another process (an SGLang
     tensor-parallel peer); that rank joins the gathers, drops each tensor at once and hands nothing over.
 `perf/weight_sync_gb` counts the bytes handed to this rank's engine.
+A LoRA actor (actor.lora.rank > 0) needs nothing here: its `full_state()` walk yields base + adapter merged under
+the original parameter names (actor/lora.py `merged_state`), so both engines load plain weights.
 Left out on purpose: CUDA-IPC handles and NCCL broadcast to remote engines (engines here live in the
 training processes), and gathering to the owner only (DTensor gathers to every rank of the mesh).
 """

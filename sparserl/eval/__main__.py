@@ -13,7 +13,7 @@ import sys
 from sparserl.cli import parse_cli
 from sparserl.config import Config
 from sparserl.eval.datasets import load_eval_sets
-from sparserl.eval.model import load_dcp_weights, resolve_eval_model
+from sparserl.eval.model import resolve_eval_model
 from sparserl.eval.report import format_table, settings, write_outputs
 from sparserl.eval.run import evaluate, format_prompts
 from sparserl.parallel import ParallelDims, init_distributed
@@ -46,8 +46,9 @@ def run(cfg: Config) -> None:
     lengths = [len(ids) for t in texts for ids in tokenizer(t, add_special_tokens=False)["input_ids"]]
     per_rank = max(-(-len(s.rows) // dims.dp) for s in sets) * cfg.eval.n
     engine = build_rollout_engine(cfg, model.path, tokenizer, info.device, pool_slots(cfg, lengths, per_rank), cfg.eval.seed)
-    if model.dcp is not None:
-        engine.update_weights(load_dcp_weights(model.dcp))
+    weights = model.weights()  # a DCP checkpoint's, or base + LoRA adapter merged (eval/model.py)
+    if weights is not None:
+        engine.update_weights(weights)
     log0(f"evaluating {model.describe()} on {', '.join(f'{s.name} ({len(s.rows)})' for s in sets)}: "
          f"n={cfg.eval.n}, temperature {cfg.eval.temperature}, kv {cfg.rollout.kv.algorithm}, {info.world_size} process(es)")
     result = evaluate(engine, tokenizer, cfg, sets, texts, dp.get_local_rank(), dp.size(), dp.get_group(), info.rank,

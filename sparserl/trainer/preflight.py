@@ -3,11 +3,13 @@ can get wrong that the config alone does not show, found before torch is importe
 
 `validate_inputs` runs on every rank right after the config loaded; every check of a config VALUE (ranges,
 enums, keys that must agree) has run by then, in sparserl/config_checks.py, and none is repeated here. What is
-left is what needs the machine: SGLang installed with its plugins (rollout.engine=sglang), `trainer.output_dir`
+left is what needs the machine: SGLang installed with its plugins (rollout.engine=sglang), peft for LoRA actors
+(actor.lora.rank > 0, which also refuses adapter dropout with parallel.tp > 1), `trainer.output_dir`
 (a folder this process can write, or can create; it is not created here), `trainer.resume`, the env module,
 every data row, the eval sets of `trainer.eval_every`, and last the model path (the one check that imports
-torch): safetensors weights (pickle files only with `model.allow_pickle_weights=true`) and free disk for one
-checkpoint in `trainer.output_dir`. Each failure is a `UserError` naming the key or the file and row.
+torch): not a LoRA adapter folder (those are evaluated, `python -m sparserl.eval`), safetensors weights
+(pickle files only with `model.allow_pickle_weights=true`) and free disk for one checkpoint in `trainer.output_dir`
+(a LoRA checkpoint holds only the adapters and is not measured). Each failure is a `UserError` naming the key or the file and row.
 
 Left out on purpose: checks that need the model or the world (tensor-parallel divisibility, the chat
 template, prompt lengths), which run where the model and tokenizer are loaded.
@@ -39,6 +41,7 @@ class Inputs:
 
 def validate_inputs(cfg: Config) -> Inputs:
     check_engine(cfg)
+    check_lora(cfg)
     check_output_dir(cfg.trainer.output_dir)
     check_resume(cfg.trainer.resume)
     openreward = bool(cfg.env.openreward.envs)
@@ -62,11 +65,37 @@ def validate_inputs(cfg: Config) -> Inputs:
     eval_sets = load_eval_sets(cfg.eval) if cfg.trainer.eval_every > 0 else []
     from sparserl.actor.hf import resolve_model_path  # imports torch, so it comes last
 
+    check_not_adapter(cfg.model.path)
     model_path = resolve_model_path(cfg.model.path)
     check_weight_files(model_path, cfg.model.allow_pickle_weights)
-    check_free_disk(cfg.trainer.output_dir, model_path)
+    if cfg.actor.lora.rank <= 0:  # a LoRA checkpoint holds the adapters only
+        check_free_disk(cfg.trainer.output_dir, model_path)
     envs = checked_openreward(cfg) if openreward else None
     return Inputs(env=env, rows=rows, model_path=model_path, eval_sets=eval_sets, openreward=envs)
+
+
+def check_lora(cfg: Config) -> None:
+    """actor.lora.rank > 0 needs peft (adapter dropout with tensor parallelism is refused with the config's checks)."""
+    import importlib.util
+
+    lora = cfg.actor.lora
+    if lora.rank <= 0:
+        return
+    if importlib.util.find_spec("peft") is None:
+        raise UserError(f'actor.lora.rank={lora.rank} needs the peft library: pip install -e ".[lora]"')
+
+
+def check_not_adapter(path: str, key: str = "model.path") -> None:
+    """A LoRA adapter folder is something to evaluate (python -m sparserl.eval), not a model to train from."""
+    from sparserl.actor.lora import is_adapter_folder  # imports torch: called last, with the model path
+
+    p = Path(path).expanduser()
+    if is_adapter_folder(p):
+        merged = p / "merged"
+        hint = f"{key}={merged} (its merged model)" if (merged / "config.json").exists() else \
+            "the adapter's base model (base_model_name_or_path in adapter_config.json) with actor.lora.rank > 0"
+        raise UserError(f"{key}={path}: a LoRA adapter folder, not a full model to train from; give {hint}, or "
+                        f"evaluate it with python -m sparserl.eval {key}={path}")
 
 
 def checked_openreward(cfg: Config):

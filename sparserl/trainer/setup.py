@@ -5,6 +5,8 @@ Order matters: config, output folder, env file, data rows, eval sets and model p
 template may still reject a row), the actor, the engine (built by sparserl/launch/engines.py from its own options)
 and the logger come up.
 The eval sets of `trainer.eval_every` are read and checked with the training data (sparserl/eval/).
+The KL reference of a LoRA actor is the actor with its adapters off (`build_reference`); a frozen actor built with
+`trainable=False` is always the plain base model, LoRA or not.
 Left out on purpose: building a second model for evaluation (it runs on the rollout engine).
 """
 from __future__ import annotations
@@ -132,7 +134,15 @@ def build_actor(cfg: Config, model_path: str, mesh, device, trainable: bool = Tr
                  max_grad_norm=a.max_grad_norm, max_tokens_per_device=a.max_tokens_per_device,
                  activation_checkpointing=cfg.model.activation_checkpointing, trainable=trainable,
                  entropy_grad=cfg.algo.entropy_coef != 0, logprob_chunk_mb=a.logprob_chunk_mb, share_prompts=a.share_prompts,
-                 sampling=(r.temperature, r.top_p, r.top_k))
+                 sampling=(r.temperature, r.top_p, r.top_k), lora=a.lora if trainable else None, seed=cfg.trainer.seed)
+
+
+def build_reference(cfg: Config, actor: Actor, model_path: str, mesh, device):
+    """The KL reference (algo.kl.coef > 0): the initial policy, frozen. With LoRA that is the actor's own base model
+    with its adapters off (no second copy of the weights); otherwise a frozen copy of `model.path`."""
+    if actor.lora is not None:
+        return actor.reference()
+    return build_actor(cfg, model_path, mesh, device, trainable=False)
 
 
 def start_processes(cfg: Config) -> tuple[DistInfo, ParallelDims, object]:
@@ -164,5 +174,5 @@ def open_output(cfg: Config, rank: int, tokenizer_loaded) -> MetricsLogger:
                          total_steps=cfg.trainer.total_steps)
 
 
-__all__ = ["Inputs", "validate_inputs", "TaskEnv", "task_env", "format_prompts", "build_actor", "start_processes",
+__all__ = ["Inputs", "validate_inputs", "TaskEnv", "task_env", "format_prompts", "build_actor", "build_reference", "start_processes",
            "prompt_sampler", "open_output", "load_tokenizer", "filter_long_prompts"]
