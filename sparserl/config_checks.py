@@ -143,13 +143,21 @@ RANGES: dict[str, Rule] = {
     "rollout.max_num_seqs": COUNT,
     "rollout.max_batch_tokens": COUNT,
     "rollout.rescore_seqs": NON_NEG,
-    "rollout.kv.budget": COUNT,
+    "rollout.kv.budget": Rule(lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                              "an integer >= 1 or auto"),
     "rollout.kv.divide_length": COUNT,
     "rollout.kv.window": COUNT,
     "rollout.kv.mix_lambda": PROB,
     "rollout.kv.kernel": ODD,
     "rollout.kv.sim_threshold": within("[-1, 1]"),
     "rollout.kv.sinks": NON_NEG,
+    "rollout.kv.control.floor": COUNT,
+    "rollout.kv.control.ceiling": COUNT,
+    "rollout.kv.control.target": within("(0, 1]"),
+    "rollout.kv.control.hysteresis": NON_NEG,
+    "rollout.kv.control.factor": above(1),
+    "rollout.kv.control.patience": COUNT,
+    "rollout.kv.control.align": COUNT,
     "rollout.sglang.mem_fraction_static": within("(0, 1)"),
     "rollout.sglang.chunked_prefill_size": NON_NEG,
     "rollout.sglang.weight_bucket_mb": above(0),
@@ -290,12 +298,17 @@ def _ordered(node: Any, prefix: str, lo: str, hi: str) -> None:
 
 
 def _kv_fits(kv: Any, p: str) -> None:
-    if kv.budget <= kv.window:
-        raise ConfigError(f"{p}.budget={kv.budget} must be > {p}.window={kv.window} (the window alone would fill the "
-                          "budget)")
-    if kv.algorithm == "streaming" and kv.sinks > kv.budget - kv.window:
-        raise ConfigError(f"{p}.sinks={kv.sinks} must be <= {p}.budget - {p}.window ({kv.budget - kv.window}) so that "
-                          "every sink fits")
+    # Under budget=auto the smallest budget the controller may choose must fit what a fixed budget must.
+    key, budget = (f"{p}.control.floor", kv.control.floor) if kv.budget == "auto" else (f"{p}.budget", kv.budget)
+    if budget <= kv.window:
+        raise ConfigError(f"{key}={budget} must be > {p}.window={kv.window} (the window alone would fill the budget)")
+    if kv.algorithm == "streaming" and kv.sinks > budget - kv.window:
+        raise ConfigError(f"{p}.sinks={kv.sinks} must be <= {key} - {p}.window ({budget - kv.window}) so that every "
+                          "sink fits")
+
+
+def _control_bounds(control: Any, p: str) -> None:
+    _ordered(control, p, "floor", "ceiling")
 
 
 def _correction_bounds(corr: Any, p: str) -> None:
@@ -311,6 +324,7 @@ def _k_within_n(ev: Any, p: str) -> None:
 # Checks relating keys of one group: fn(node, prefix), run by check_section after the group's rules.
 SECTION_CHECKS: dict[str, tuple[Callable[[Any, str], None], ...]] = {
     "rollout.kv": (_kv_fits,),
+    "rollout.kv.control": (_control_bounds,),
     "algo.correction": (_correction_bounds,),
     "eval": (_k_within_n,),
 }
@@ -351,6 +365,23 @@ def _overlong_fits(cfg) -> None:
                           "over the last buffer tokens of the length cap")
 
 
+def _lora_dropout_tp(cfg) -> None:
+    lora, tp = cfg.actor.lora, cfg.parallel.tp
+    if lora.rank > 0 and lora.dropout > 0 and tp > 1:
+        raise ConfigError(f"actor.lora.dropout={lora.dropout} with parallel.tp={tp}: each tensor-parallel rank would "
+                          "draw its own dropout mask for the same adapter input (actor/lora.py); set actor.lora.dropout=0")
+
+
+def _auto_budget_engine(cfg) -> None:
+    kv = cfg.rollout.kv
+    if kv.budget == "auto" and kv.algorithm == "none":
+        raise ConfigError("rollout.kv.budget=auto with rollout.kv.algorithm=none: there is no compression to control; "
+                          "choose a policy (rkv, snapkv, streaming) or a number")
+    if kv.budget == "auto" and cfg.rollout.engine == "sglang":
+        raise ConfigError("rollout.kv.budget=auto with rollout.engine=sglang: the SGLang backend takes its budget at "
+                          "start-up; use rollout.engine=native or a fixed rollout.kv.budget")
+
+
 def _openreward(cfg) -> None:
     from sparserl.rollout.openreward.spec import parse_envs  # plain Python: no SDK, no torch
 
@@ -369,7 +400,8 @@ def _openreward(cfg) -> None:
 
 # Checks relating keys of different groups: fn(cfg), run by check_config after every group.
 CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (_dual_clip_is_ppo, _nccl_needs_cuda, _quantization_device,
-                                                   _sglang_tp_shares_heads, _overlong_fits, _openreward)
+                                                   _sglang_tp_shares_heads, _overlong_fits,
+                                                   _auto_budget_engine, _lora_dropout_tp, _openreward)
 
 
 def check_section(prefix: str, node: Any) -> None:

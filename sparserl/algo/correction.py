@@ -44,6 +44,10 @@ from sparserl.algo.correction_config import CorrectionConfig
 
 LOG_RATIO_CLAMP = 20.0
 LOW_XI = 0.1  # the threshold of `low_xi_metrics`
+# `low_xi_metrics`' tail quantiles of xi come from a histogram of log xi summed over DP ranks: bins of 0.002 over
+# [-5, 5] (xi in [0.0067, 148]) plus one bin below and one above; a quantile is exact to ~0.2% of xi inside it.
+_TAIL_LO, _TAIL_HI, _TAIL_BINS = -5.0, 5.0, 5000
+TAIL_QUANTILES = {"mismatch/xi_p01": 0.01, "mismatch/xi_p05": 0.05}
 Reduce = Callable[[Tensor], Tensor]
 
 
@@ -248,10 +252,38 @@ def low_xi_metrics(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor, advantag
     pos = on & (adv > 0)  # (B, T)
     low = log_xi < math.log(LOW_XI)  # (B, T)
     f = torch.float64
-    s = reduce_sum(torch.stack([on.sum().to(f), (on & low).sum().to(f), pos.sum().to(f), (pos & low).sum().to(f)]))
-    tok, tok_low, pos_tok, pos_low = s.tolist()
-    return {"mismatch/low_xi_frac": tok_low / tok if tok else 0.0,
-            "mismatch/low_xi_pos_adv_frac": pos_low / pos_tok if pos_tok else 0.0}
+    sums = torch.stack([on.sum().to(f), (on & low).sum().to(f), pos.sum().to(f), (pos & low).sum().to(f)])
+    s = reduce_sum(torch.cat([sums, _log_xi_histogram(log_xi[on])]))
+    tok, tok_low, pos_tok, pos_low = s[:4].tolist()
+    out = {"mismatch/low_xi_frac": tok_low / tok if tok else 0.0,
+           "mismatch/low_xi_pos_adv_frac": pos_low / pos_tok if pos_tok else 0.0}
+    return out | {name: histogram_quantile(s[4:], q) for name, q in TAIL_QUANTILES.items()}
+
+
+def _log_xi_histogram(log_xi: Tensor) -> Tensor:
+    """(BINS + 2,) float64 counts of `log_xi` (1-D): one below the range, the bins, one above."""
+    width = (_TAIL_HI - _TAIL_LO) / _TAIL_BINS
+    idx = ((log_xi.double() - _TAIL_LO) / width).floor().clamp(-1, _TAIL_BINS).long() + 1
+    return torch.bincount(idx, minlength=_TAIL_BINS + 2).to(torch.float64)
+
+
+def histogram_quantile(hist: Tensor, q: float) -> float:
+    """The q-quantile of xi from `_log_xi_histogram` counts, linear in log xi inside its bin (NaN when empty;
+    the range's end when it falls outside: at most exp(-5) or at least exp(5))."""
+    total = float(hist.sum())
+    if total == 0:
+        return math.nan
+    cum = torch.cumsum(hist, 0)
+    rank = q * total
+    i = int(torch.searchsorted(cum, torch.tensor([rank], dtype=cum.dtype)).item())
+    if i == 0:
+        return math.exp(_TAIL_LO)
+    if i > _TAIL_BINS:
+        return math.exp(_TAIL_HI)
+    width = (_TAIL_HI - _TAIL_LO) / _TAIL_BINS
+    before = float(cum[i - 1])
+    frac = (rank - before) / float(hist[i]) if float(hist[i]) else 0.0
+    return math.exp(_TAIL_LO + (i - 1 + frac) * width)
 
 
 def correct(

@@ -7,9 +7,11 @@ Building one checks every value (`config_checks.check_section("rollout.kv", ...)
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from sparserl.config_checks import check_section, opt
+from sparserl.kv.budget_control import BudgetControlConfig
 
 BUILTIN_POLICIES = ("rkv", "snapkv", "streaming")  # registered by sparserl/kv/{rkv,snapkv,streaming}.py
 DIVIDE_METHODS = ("step_length", "newline")
@@ -23,7 +25,8 @@ class KVPolicyConfig:
     `sparserl.kv.register_policy`."""
 
     algorithm: str = opt("none", "none | rkv | snapkv | streaming", choices=("none", *BUILTIN_POLICIES))
-    budget: int = opt(512, "cache entries a sequence keeps after a compression, window included")
+    budget: int | str = opt(512, "cache entries a sequence keeps after a compression, window included; auto: chosen "
+                                 "each step from the mismatch it causes (rollout.kv.control, kv/budget_control.py)")
     divide_method: str = opt("step_length", "step_length | newline", choices=DIVIDE_METHODS)
     divide_length: int = opt(128, "step_length: compress every this many decode steps once over budget")
     window: int = opt(8, "the latest tokens: always kept; their queries score the rest")
@@ -35,9 +38,21 @@ class KVPolicyConfig:
     compress_prompt: bool = opt(False, "may the prompt be compressed below its own length")
     variant: str = opt("paper", "paper | reference: rkv/snapkv score as their papers say, or exactly as the R-KV / "
                                 "Sparse-RL code", choices=VARIANTS)
+    control: BudgetControlConfig = opt(BudgetControlConfig, "rollout.kv.budget=auto: how the budget follows the "
+                                                             "mismatch tail (sparserl/kv/budget_control.py).")
 
     def __post_init__(self) -> None:
         check_section("rollout.kv", self)
+
+    @property
+    def auto_budget(self) -> bool:
+        return self.budget == "auto"
+
+    def with_budget(self, budget: int | None = None) -> KVPolicyConfig:
+        """This config with a number for `budget`: `budget` when given, else the configured one, or under
+        `budget=auto` the controller's first step's (`control.ceiling`). Engines take only numbers."""
+        value = budget if budget is not None else (self.control.ceiling if self.auto_budget else self.budget)
+        return self if value == self.budget else dataclasses.replace(self, budget=int(value))
 
     @property
     def normalize_sums(self) -> bool:

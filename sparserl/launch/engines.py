@@ -43,7 +43,7 @@ def pool_slots(cfg: Config, max_prompt_len: int, prompts_per_rank: int) -> int:
 def native_options(cfg: Config, num_slots: int) -> NativeOptions:
     r = cfg.rollout
     return NativeOptions(num_slots=num_slots, max_num_seqs=r.max_num_seqs, max_batch_tokens=r.max_batch_tokens,
-                         kv=r.kv, release_weights=r.release_weights, quantization=r.quantization,
+                         kv=r.kv.with_budget(), release_weights=r.release_weights, quantization=r.quantization,
                          quantize_lm_head=r.quantize_lm_head, rescore_seqs=r.rescore_seqs, decode_cache=r.decode_cache)
 
 
@@ -56,7 +56,7 @@ def sglang_options(cfg: Config, device: torch.device | str = "cpu", num_slots: i
     backend = s.attention_backend
     if backend == "auto":
         backend = None if on_gpu else "torch_native"
-    kv = r.kv  # the schema node is the engines' policy config, checked when the config loaded
+    kv = r.kv.with_budget()  # the schema node is the engines' policy config (budget=auto: its first step's number)
     return SGLangOptions(
         device=dev,
         dtype=r.dtype,

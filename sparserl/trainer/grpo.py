@@ -54,6 +54,7 @@ def train(cfg: Config) -> None:
     from sparserl.engines.weight_sync import sync_weights
     from sparserl.rollout.worker import rollout
     from sparserl.launch.engines import build_rollout_engine, pool_slots, sampling_params
+    from sparserl.kv.budget_control import TAIL_METRIC, BudgetController
     from sparserl.trainer import setup as S
     from sparserl.trainer.faults import PREEMPTED_EXIT_CODE, Preemption, check_skips, injected_nan
     from sparserl.trainer.advantages import set_advantages
@@ -81,15 +82,19 @@ def train(cfg: Config) -> None:
     sampler = S.prompt_sampler(cfg, task, mesh)
     params = sampling_params(cfg)
     actor = S.build_actor(cfg, inputs.model_path, mesh, info.device)
-    ref = S.build_actor(cfg, inputs.model_path, mesh, info.device, trainable=False) if cfg.algo.kl.coef else None
+    ref = S.build_reference(cfg, actor, inputs.model_path, mesh, info.device) if cfg.algo.kl.coef else None
     num_slots = pool_slots(cfg, task.max_prompt, cfg.trainer.prompts_per_step // dims.dp)
     engine = build_rollout_engine(cfg, inputs.model_path, tokenizer, info.device, num_slots, cfg.trainer.seed)
+    budget = BudgetController(cfg.rollout.kv.control) if cfg.rollout.kv.auto_budget else None  # rollout.kv.budget=auto
     start = 0
     resume_from = checkpoint.resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
     if resume_from is not None:  # any number of processes: nothing saved depends on it (actor/checkpoint.py)
         state = checkpoint.load(resume_from, actor.model, actor.optimizer)
         actor.scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
+        if budget is not None and "kv_budget" in state:
+            budget.load_state_dict(state["kv_budget"])
+            engine.set_kv_budget(budget.budget)
         start = state["step"]
         saved_with = state.get("world_size", info.world_size)
         log0(f"resumed from {resume_from} at step {start}" +
@@ -147,6 +152,7 @@ def train(cfg: Config) -> None:
 
     def save(step: int) -> None:
         state = {"step": step, "scheduler": actor.scheduler.state_dict(), "sampler": sampler.state_dict(),
+                 **({"kv_budget": budget.state_dict()} if budget is not None else {}),
                  "world_size": info.world_size, "tp": dims.tp}
         checkpoint.save(cfg.trainer.output_dir, step, actor.model, actor.optimizer, state, info.rank, cfg.trainer.keep_last)
 
@@ -211,6 +217,9 @@ def train(cfg: Config) -> None:
         metrics.update(memory_metrics(info.device, actor.dp_group))
         last = step == cfg.trainer.total_steps or step == cfg.trainer.stop_after
         metrics.update(evals.maybe(step, last))
+        if budget is not None:  # the next step's budget, from this step's mismatch tail
+            metrics["kv/budget"] = budget.budget
+            engine.set_kv_budget(budget.update(metrics.get(TAIL_METRIC)))
         logger.log(step, metrics)
         check_skips(actor.consecutive_skips, cfg.trainer.max_skipped_steps, step, cfg.trainer.output_dir)
         preempted = preemption.requested()  # a collective: every rank learns whether any rank was signalled

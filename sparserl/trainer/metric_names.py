@@ -152,6 +152,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("mismatch/low_xi_frac", "Share of response tokens with xi < 0.1 (the dense policy finds them 10x less likely)"),
     Metric("mismatch/low_xi_pos_adv_frac", "The same share among tokens of positive-advantage sequences, where an "
            "uncorrected update pushes hardest"),
+    Metric("mismatch/xi_p01", "1st percentile of xi = p_dense / p_sparse over the step's response tokens, all ranks "
+           "(from a histogram of log xi: exact to ~0.2% inside [0.0067, 148])"),
+    Metric("mismatch/xi_p05", "5th percentile of xi over the step's response tokens, all ranks: the tail statistic "
+           "`rollout.kv.budget=auto` keeps at or above `rollout.kv.control.target`"),
     # correction/
     Metric("correction/kept_token_frac", "Share of response tokens that keep their place in the loss", CORRECTION),
     Metric("correction/masked_low_frac", "Share of tokens masked for xi below `algo.correction.token_low`", CORRECTION),
@@ -170,6 +174,8 @@ METRICS: tuple[Metric, ...] = (
     # kv/
     Metric("kv/retained_frac", "KV entries the samples held at their end / what a dense cache would hold (1 when dense)"),
     Metric("kv/compressions", "KV compressions run (`rollout.kv.*`), all ranks"),
+    Metric("kv/budget", "The KV budget this step's rollouts compressed to (chosen by the controller from the "
+           "previous steps' `mismatch/xi_p05`)", "`rollout.kv.budget=auto`"),
     Metric("kv/compress_s", "Seconds spent compressing, summed over ranks"),
     Metric("kv/peak_slots", "Most KV slots (per layer) in use at once in one engine, max over ranks"),
     Metric("kv/peak_gb", "Those slots in GiB (all layers, K and V), max over ranks"),

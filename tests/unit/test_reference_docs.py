@@ -42,7 +42,7 @@ def test_config_page_lists_every_key_with_the_default_a_run_gets():
             assert f"| `{key.key}` |" in text, key.key
     # the schema's default, which is what a run gets (configs/grpo.yaml sets no value)
     assert "| `actor.lr` | `float` | `5e-06` | AdamW learning rate after warmup [>= 0] |" in text
-    assert "| `rollout.kv.budget` | `int` | `512` |" in text
+    assert "| `rollout.kv.budget` | `int \\| str` | `512` |" in text
     assert "| key | grpo | eval | gpu |" in text  # the other base configs, by what they change
 
 

@@ -106,6 +106,14 @@ class NativeEngine:
     def set_seed(self, seed: int) -> None:
         self.seed = seed
 
+    def set_kv_budget(self, budget: int) -> None:
+        """The compression budget of sequences that start from now on (`rollout.kv.budget=auto` moves it between
+        steps); sequences already running or held in a session keep theirs."""
+        if self.compression is None:
+            raise ValueError("set_kv_budget needs a compressing engine (rollout.kv.algorithm other than none)")
+        self.kv = self.options.kv = self.kv.with_budget(budget)
+        self.compression.cfg = self.kv
+
     def close(self) -> None:
         """Drop the pool, the held sessions and the weight copy (the engine cannot generate again)."""
         self.sleep()
