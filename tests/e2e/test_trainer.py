@@ -126,3 +126,33 @@ def test_bad_input_one_line_nonzero_exit_nothing_written(tiny_checkpoint, task, 
     assert lines[-1].startswith("error: ") and expect in lines[-1], res.stderr[-2000:]
     assert "Traceback" not in res.stderr
     assert not out.exists()
+
+
+def test_auto_kv_budget_follows_the_tail_and_resumes(tiny_checkpoint, task, tmp_path):
+    """rollout.kv.budget=auto: each step's kv/budget is what the controller's rule gives from the previous steps'
+    logged mismatch/xi_p05, and a resumed run continues with the saved controller state (bitwise the same step 3)."""
+    from sparserl.kv.budget_control import BudgetControlConfig, BudgetController
+
+    data, env = task
+    control = {"floor": 8, "ceiling": 32, "target": 0.5, "hysteresis": 0.0, "factor": 2.0, "patience": 1, "align": 4}
+    kv = {"rollout.kv.algorithm": "rkv", "rollout.kv.budget": "auto", "rollout.kv.window": 2,
+          "rollout.kv.divide_length": 4, "rollout.kv.compress_prompt": "true", "rollout.max_new_tokens": 24,
+          **{f"rollout.kv.control.{k}": v for k, v in control.items()}}
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    res = trainer(tiny_args(tiny_checkpoint, data, env, full, steps=3, **kv))
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = read_metrics(full)
+    ctrl = BudgetController(BudgetControlConfig(**control))
+    for m in metrics:
+        assert m["kv/budget"] == ctrl.budget and m["kv/compressions"] > 0
+        ctrl.update(m["mismatch/xi_p05"])
+    assert len({m["kv/budget"] for m in metrics}) > 1, "the budget never moved: pick a target the tiny model crosses"
+    res = trainer(tiny_args(tiny_checkpoint, data, env, cut, steps=3, **kv, **{"trainer.stop_after": 2}))
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = trainer(tiny_args(tiny_checkpoint, data, env, cut, steps=3, **kv, **{"trainer.resume": "auto"}))
+    assert res.returncode == 0, res.stderr[-3000:]
+    resumed = read_metrics(cut)
+    assert [m["step"] for m in resumed] == [1, 2, 3]
+    for key, value in metrics[2].items():
+        if not key.startswith(("perf/", "mem/", "kv/compress_s")):
+            assert resumed[2][key] == value, key

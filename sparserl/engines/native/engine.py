@@ -111,7 +111,8 @@ class NativeEngine:
         steps); sequences already running or held in a session keep theirs."""
         if self.compression is None:
             raise ValueError("set_kv_budget needs a compressing engine (rollout.kv.algorithm other than none)")
-        self.kv = self.options.kv = self.kv.with_budget(budget)
+        self.kv = self.kv.with_budget(budget)
+        self.options = dataclasses.replace(self.options, kv=self.kv)
         self.compression.cfg = self.kv
 
     def close(self) -> None:
