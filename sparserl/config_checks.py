@@ -382,6 +382,20 @@ def _auto_budget_engine(cfg) -> None:
                           "start-up; use rollout.engine=native or a fixed rollout.kv.budget")
 
 
+def _rescue_dense(cfg) -> None:
+    c = cfg.algo.correction
+    if c.rescue == "none":
+        return
+    if not (c.enable and c.mode == "apply"):
+        raise ConfigError(f"algo.correction.rescue={c.rescue} re-rolls the sequences the correction rejects, but with "
+                          f"algo.correction.enable={str(c.enable).lower()} and algo.correction.mode={c.mode} it rejects "
+                          "none; set algo.correction.enable=true and algo.correction.mode=apply, or rescue=none")
+    if cfg.rollout.engine == "sglang":
+        raise ConfigError(f"algo.correction.rescue={c.rescue} with rollout.engine=sglang: the SGLang backend takes its "
+                          "KV compression at start-up and cannot generate one batch densely; use rollout.engine=native "
+                          "or algo.correction.rescue=none")
+
+
 def _openreward(cfg) -> None:
     from sparserl.rollout.openreward.spec import parse_envs  # plain Python: no SDK, no torch
 
@@ -401,7 +415,7 @@ def _openreward(cfg) -> None:
 # Checks relating keys of different groups: fn(cfg), run by check_config after every group.
 CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (_dual_clip_is_ppo, _nccl_needs_cuda, _quantization_device,
                                                    _sglang_tp_shares_heads, _overlong_fits,
-                                                   _auto_budget_engine, _lora_dropout_tp, _openreward)
+                                                   _auto_budget_engine, _lora_dropout_tp, _rescue_dense, _openreward)
 
 
 def check_section(prefix: str, node: Any) -> None:

@@ -31,6 +31,9 @@ class CorrectionConfig:
     geo_low: float | None = opt(None, "reject a sequence whose geometric-mean xi is below this")
     geo_high: float | None = opt(None, "reject a sequence whose geometric-mean xi is above this")
     rejected_in_baseline: bool = opt(True, "rejected sequences still count in their group's reward baseline")
+    rescue: str = opt("none", "none | dense: roll the sequences the correction rejects out again with a dense KV cache "
+                              "(same prompts, one new sample each) and train on those instead (docs/correction.md)",
+                      choices=("none", "dense"))
 
     def __post_init__(self) -> None:
         check_section("algo.correction", self)

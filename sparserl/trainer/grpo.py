@@ -3,7 +3,8 @@
 Each step, top to bottom (reasons in docs/decisions.md):
   1. wake the engine and roll out this rank's prompts through the env (sparserl/rollout);
   2. put the engine to sleep, giving its KV memory back;
-  3. logp_old, the dense log-probs of the sampled tokens (and the reference's);
+  3. logp_old, the dense log-probs of the sampled tokens; with `algo.correction.rescue=dense` the sequences the
+     correction would reject are rolled out again densely and replaced (trainer/rescue.py); the reference's;
   4. correct for the sparse/dense sampler mismatch;
   5. group advantages (trainer/advantages.py);
   6. the update, after balancing token loads over DP ranks (trainer/balance.py);
@@ -62,6 +63,7 @@ def train(cfg: Config) -> None:
     from sparserl.trainer.dynamic_sampling import DynamicSampling, Round, round_seed
     from sparserl.trainer.loss import loss_config
     from sparserl.trainer.old_logprobs import OldLogprobs
+    from sparserl.trainer.rescue import Redraw, Rescue, rescue_seed
     from sparserl.trainer.train_batch import to_train_batch
     from sparserl.trainer.metrics import gather_step_metrics
     from sparserl.trainer.samples import SampleLog
@@ -114,6 +116,8 @@ def train(cfg: Config) -> None:
     timers = Timers(memory=PhasePeaks(info.device))
     dynamic = DynamicSampling(cfg.algo, params.n, cfg.rollout.max_new_tokens, cfg.trainer.prompts_per_step, sampler,
                               actor.dp_group, mesh["dp"].get_local_rank(), dims.dp, info.device)
+    rescue = Rescue(cfg.algo, params.n, actor.dp_group, info.device)  # algo.correction.rescue
+    draws = {}  # the step's rollout rounds' prompts by round: the rescue finds a group's prompt there
 
     def roll_out(step: int, draw, round_: int) -> Round:
         """One rollout round of `step`. With tp > 1 only the TP group's owner runs the engine and the env loop; its
@@ -125,7 +129,7 @@ def train(cfg: Config) -> None:
                     sync_weights(actor.full_state(), engine)
             if tp_share.is_owner:
                 engine.wake()
-        rolled = None
+        rolled, draws[round_] = None, draw
         with timers("rollout"):
             if tp_share.is_owner:
                 # Each prompt's samples are keyed by (seed, step, round, its place in the round's global batch): the
@@ -142,6 +146,29 @@ def train(cfg: Config) -> None:
                                          step_timeout_s=cfg.env.step_timeout_s, max_concurrency=cfg.env.max_concurrency)
                 rolled += (engine.stats(),)
             return Round(*tp_share.from_owner(rolled))
+
+    def redraw(step: int, redraws: list[Redraw]) -> list:
+        """The rescue's re-roll: each rejected sample's prompt once more, through the env loop, generated densely
+        with the current weights (the engine woken again after step 2); TP peers receive the owner's samples."""
+        if cfg.rollout.release_weights:
+            sync_weights(actor.full_state(), engine)
+        new = None
+        if tp_share.is_owner:
+            engine.wake()
+            engine.reset_stats()  # the step's kv/ and perf/rollout numbers stay the sparse rollout's
+            engine.set_seed(rescue_seed(cfg.trainer.seed, step))
+            idx = [draws[r.key[0]].global_indices[r.key[1]] for r in redraws]
+            new = []
+            if idx:
+                with progress(len(idx), f"rescue {step}", info.rank, cfg.logger.progress) as bar, engine.dense():
+                    new, _ = rollout(_Progress(engine, bar), tokenizer, task.env, [rows[i] for i in idx],
+                                     [prompts[i] for i in idx], params.replace(n=1), max_turns=cfg.env.max_turns,
+                                     max_total_tokens=task.max_total_tokens(num_slots),
+                                     seed_indices=[r.seed_index for r in redraws],
+                                     step_timeout_s=cfg.env.step_timeout_s, max_concurrency=cfg.env.max_concurrency)
+        engine.sleep()
+        release_free_memory()
+        return tp_share.from_owner(new)
 
     def dense_logprobs(batch):
         """Dynamic sampling's judge under the correction: a round's logp_old, the engine asleep meanwhile."""
@@ -160,6 +187,7 @@ def train(cfg: Config) -> None:
         t_step = time.perf_counter()
         seed_step(cfg.trainer.seed, step, info.rank)
         batch_idx = sampler.next()
+        draws.clear()
 
         # 1: rollout with fresh weights: one round, or with dynamic sampling rounds until the step has
         # trainer.prompts_per_step groups with a learning signal (this rank's share of them in `samples`).
@@ -179,6 +207,9 @@ def train(cfg: Config) -> None:
         # yet: then the update's own forward supplies them), and the reference's.
         batch = to_train_batch(samples, info.device, cfg.algo.overlong.mask, step_rollout.logp_old)
         old_logprobs.compute(batch, timers("old_logprobs"))  # the phase's timer, entered by a separate pass only
+        # algo.correction.rescue=dense: the sequences the correction rejects, rolled out again densely in their places.
+        rescued = rescue.run(samples, batch, step_rollout.keys, partial(redraw, step), actor.logprobs, timers("rescue"))
+        samples, batch = rescued.samples, rescued.batch
         if ref is not None:
             with timers("ref_logprobs"):
                 batch.logp_ref = ref.logprobs(batch)
@@ -213,13 +244,15 @@ def train(cfg: Config) -> None:
                 sample_log.log(step, samples, batch, correction_metrics.get("correction/norm_factor", 1.0), actor.dp_group)
         metrics = gather_step_metrics(step, step_rollout.rolled, rollout_metrics, engine_stats, batch, timers.pop(),
                                       time.perf_counter() - t_step, actor.dp_group, info.device)
-        metrics.update(step_rollout.metrics | correction_metrics | adv_metrics | balance_metrics | actor_metrics)
+        metrics.update(step_rollout.metrics | rescued.metrics | correction_metrics | adv_metrics | balance_metrics
+                       | actor_metrics)
         metrics.update(memory_metrics(info.device, actor.dp_group))
         last = step == cfg.trainer.total_steps or step == cfg.trainer.stop_after
         metrics.update(evals.maybe(step, last))
         if budget is not None:  # the next step's budget, from this step's mismatch tail
             metrics["kv/budget"] = budget.budget
-            engine.set_kv_budget(budget.update(metrics.get(TAIL_METRIC)))
+            # The sparse rollout's own tail: before the rescue's dense redraws replaced its rejected sequences.
+            engine.set_kv_budget(budget.update(metrics.get("rescue/before_xi_p05", metrics.get(TAIL_METRIC))))
         logger.log(step, metrics)
         check_skips(actor.consecutive_skips, cfg.trainer.max_skipped_steps, step, cfg.trainer.output_dir)
         preempted = preemption.requested()  # a collective: every rank learns whether any rank was signalled

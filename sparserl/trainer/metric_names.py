@@ -45,6 +45,11 @@ GROUPS: dict[str, str] = {
                  "(docs/correction.md). xi = exp(logp_old - logp_sparse)."),
     "correction": ("The sparsity correction (`algo.correction.*`): token mask, sequence rejection and importance "
                    "weights, over the response tokens (or sequences) of the step on all ranks."),
+    "rescue": ("The rescue of rejected samples (`algo.correction.rescue=dense`, docs/correction.md): the sequences the "
+               "correction rejects, rolled out again with a dense KV cache and trained on in their place, over all "
+               "data-parallel ranks. With it on, reward/, score/, response/, env/ and kv/ cover the sparse rollout "
+               "(the rejected samples, not their redraws); adv/, actor/, mismatch/ and correction/ the batch trained "
+               "on, redraws included."),
     "kv": "The rollout engine's KV cache during the step's rollout.",
     "rollout": "The rollout engine's own numbers, mean over data-parallel ranks.",
     "perf": "Wall-clock time and throughput.",
@@ -60,6 +65,8 @@ GROUPS: dict[str, str] = {
 PHASES: dict[str, str] = {
     "rollout": "sampling the step's responses through the env",
     "old_logprobs": "the separate dense forward for logp_old (when the update cannot give it: several optimizer steps per rollout)",
+    "rescue": "re-rolling the rejected sequences densely and their logp_old pass (`algo.correction.rescue=dense`, "
+              "steps where the correction rejects some)",
     "ref_logprobs": "the reference model's log-probs (`algo.kl.coef > 0`)",
     "update": "rank balancing and the optimizer steps",
     "weight_sync": "pushing the new weights into the rollout engine",
@@ -76,6 +83,7 @@ TOOL_COUNTERS: dict[str, str] = {
 
 SFT = "python -m sparserl.trainer.sft too"
 CORRECTION = "`algo.correction.enable=true`"
+RESCUE = "`algo.correction.rescue=dense`"
 DYNAMIC = "`algo.dynamic_sampling.enable=true`"
 
 METRICS: tuple[Metric, ...] = (
@@ -171,11 +179,21 @@ METRICS: tuple[Metric, ...] = (
     Metric("correction/norm_factor", "The divisor of the batch normalization (`is_batch_normalize`; 1 when off)", CORRECTION),
     Metric("correction/ess", "Effective sample size of the kept tokens' weights as a share of their number "
            "((sum w)^2 / (n sum w^2); 1 = uniform)", CORRECTION),
+    # rescue/
+    Metric("rescue/rejected_before_frac", "Share of sequences the correction rejected before the rescue (what "
+           "`correction/rejected_seq_frac` would be without it)", RESCUE),
+    Metric("rescue/seqs", "Sequences re-rolled densely (one per rejected sequence), all ranks", RESCUE),
+    Metric("rescue/frac", "`rescue/seqs` as a share of the batch's sequences", RESCUE),
+    Metric("rescue/reward_mean", "Mean reward of the re-rolled samples", f"{RESCUE}, steps with `rescue/seqs > 0`"),
+    Metric("rescue/before_xi_p01", "`mismatch/xi_p01` of the sparse rollout, before the redraws replaced its rejected "
+           "sequences", RESCUE),
+    Metric("rescue/before_xi_p05", "`mismatch/xi_p05` of the sparse rollout before the redraws (what "
+           "`rollout.kv.budget=auto` reads when the rescue is on)", RESCUE),
     # kv/
     Metric("kv/retained_frac", "KV entries the samples held at their end / what a dense cache would hold (1 when dense)"),
     Metric("kv/compressions", "KV compressions run (`rollout.kv.*`), all ranks"),
     Metric("kv/budget", "The KV budget this step's rollouts compressed to (chosen by the controller from the "
-           "previous steps' `mismatch/xi_p05`)", "`rollout.kv.budget=auto`"),
+           "previous steps' `mismatch/xi_p05`, or `rescue/before_xi_p05` with the rescue on)", "`rollout.kv.budget=auto`"),
     Metric("kv/compress_s", "Seconds spent compressing, summed over ranks"),
     Metric("kv/peak_slots", "Most KV slots (per layer) in use at once in one engine, max over ranks"),
     Metric("kv/peak_gb", "Those slots in GiB (all layers, K and V), max over ranks"),

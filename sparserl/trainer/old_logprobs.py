@@ -13,7 +13,8 @@ detached log-probs of the loss forward are exactly logp_old, and the correction 
 (`FusedOldLogprobLoss`). `fused_old_logprobs` says when that gives the same update, and if not, why.
 Dynamic sampling with the correction applied (trainer/dynamic_sampling.py) needs the rejections before the update
 to drop groups rejected whole: it takes the separate pass, run per rollout round, and `SeparatePass.compute` finds
-logp_old already in the batch.
+logp_old already in the batch. The rescue of rejected samples (`algo.correction.rescue=dense`, trainer/rescue.py)
+needs them before the update too: it takes the separate pass, and splices the redraws' logp_old into the batch.
 
 Left out on purpose: a stale logp_old (reusing the sampler's, or the previous step's) and the single-update path
 for several optimizer steps per rollout (after the first step the learner is no longer the old policy).
@@ -51,6 +52,9 @@ def fused_old_logprobs(cfg: Config) -> tuple[bool, str]:
         return False, "algo.kl.mode=reward puts KL(old || ref) into the rewards, before the update"
     if applying and not c.rejected_in_baseline:
         return False, "algo.correction.rejected_in_baseline=false: advantages need the rejections before the update"
+    if applying and c.rescue != "none":
+        return False, (f"algo.correction.rescue={c.rescue} re-rolls the rejected sequences, so the rejections are needed "
+                       "before the update")
     if applying and algo.dynamic_sampling.enable:
         return False, ("algo.dynamic_sampling with the correction applied: groups it rejects whole are dropped before "
                        "the update")

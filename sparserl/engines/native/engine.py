@@ -7,6 +7,8 @@ for the next waiting ones. Left out on purpose: an async/streaming API (the trai
 prefix caching across prompts (the `n` samples of one prompt do share its prefill), speculative decoding.
 With `quantization` the linear layers hold int8 / fp8 weights, re-quantized at every weight update
 (`quantize.py`); `rescore_seqs` re-scores a few sequences densely to split the mismatch (`rescore.py`).
+`with engine.dense():` generates without KV compression in an engine built with a policy (the trainer's
+rescue of rejected samples, `algo.correction.rescue=dense`): reservations are then the dense worst case.
 
 Multi-turn sessions (`supports_sessions`): a request with `keep_session=True` leaves each sample's KV in the
 pool under `Generation.session_id`; the next turn sends that key as its `session_id` with the whole history
@@ -23,8 +25,9 @@ from __future__ import annotations
 
 import time
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable
+from typing import Callable, Hashable, Iterable, Iterator
 
 import torch
 
@@ -78,6 +81,7 @@ class NativeEngine:
         self.kv = o.kv or KVPolicyConfig()
         # None keeps a dense cache; otherwise sequences are compressed while they decode.
         self.compression = None if self.kv.algorithm == "none" else Compressor(self.kv, self.runner, o.max_num_seqs, tokenizer)
+        self._set_aside: Compressor | None = None  # the compressor, while `dense()` runs without it
         self._stats = self._fresh_stats()
         self._awake = False
         self._next_seq_id = 0
@@ -97,8 +101,9 @@ class NativeEngine:
     def sleep(self) -> None:
         self.end_sessions()  # the pool tensors go away; nothing may still point into them
         self.runner.release()
-        if self.compression is not None:
-            self.compression.release()
+        compressor = self.compression or self._set_aside  # a sleep inside dense() frees the query ring too
+        if compressor is not None:
+            compressor.release()
         if self.release_weights:
             self.runner.release_weights()
         self._awake = False
@@ -114,6 +119,22 @@ class NativeEngine:
         self.kv = self.kv.with_budget(budget)
         self.options = dataclasses.replace(self.options, kv=self.kv)
         self.compression.cfg = self.kv
+
+    @contextmanager
+    def dense(self) -> Iterator[None]:
+        """Inside the block every generate() keeps a dense (uncompressed) KV cache, as an engine built with
+        `rollout.kv.algorithm=none` would: same seeds, same sampler, same tokens. Held sessions are ended on
+        entry and on exit: a compressed session's state cannot continue densely, nor a dense one compressed."""
+        if self.compression is None:  # a dense engine, or already inside the block
+            yield
+            return
+        self.end_sessions()
+        self._set_aside, self.compression = self.compression, None
+        try:
+            yield
+        finally:
+            self.end_sessions()
+            self.compression, self._set_aside = self._set_aside, None
 
     def close(self) -> None:
         """Drop the pool, the held sessions and the weight copy (the engine cannot generate again)."""
@@ -223,6 +244,8 @@ class NativeEngine:
                     f"request {req.request_id!r}: a prompt of {len(prompt)} tokens with max_new_tokens="
                     f"{params.max_new_tokens} needs up to {reserve} KV slots, but the pool has {self.num_slots}; "
                     "raise rollout.kv_pool_tokens, shorten the prompt or lower rollout.max_new_tokens"
+                    + (" (this is a dense generation, engine.dense(): its worst case is uncompressed)"
+                       if self._set_aside is not None else "")
                 )
             plans.append((req, prompt, keys, held is not None, reserve))
         seqs = []
