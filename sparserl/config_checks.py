@@ -5,7 +5,7 @@ Where a rule comes from:
   config dataclasses of sparserl/kv/policy.py and sparserl/algo/correction_config.py); `rule_for` turns them
   into a `one_of` rule (each element of a list field must be one of them);
 - `RANGES` holds every other rule by key, written by hand: numeric ranges, non-empty strings, list shapes;
-- `SECTION_CHECKS` relate two keys of one group (a KV budget larger than its window, a low bound below its high
+- `SECTION_CHECKS` (sparserl/config_relations.py) relate two keys of one group (a KV budget larger than its window, a low bound below its high
   bound), `CROSS_CHECKS` keys of different groups.
 `RULES` (built on first use from the schema) maps every checked key to its `Rule`, a test and its wording
 (`> 0`, `in [0, 1)`, `one of none, rkv, ...`); `--help` and docs/config.md print the same wording.
@@ -291,133 +291,6 @@ def show(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (list, tuple, bool)) or value is None else str(value)
 
 
-def _ordered(node: Any, prefix: str, lo: str, hi: str) -> None:
-    a, b = getattr(node, lo), getattr(node, hi)
-    if a is not None and b is not None and a > b:
-        raise ConfigError(f"{prefix}.{lo}={show(a)} must be <= {prefix}.{hi}={show(b)}")
-
-
-def _kv_fits(kv: Any, p: str) -> None:
-    # Under budget=auto the smallest budget the controller may choose must fit what a fixed budget must.
-    key, budget = (f"{p}.control.floor", kv.control.floor) if kv.budget == "auto" else (f"{p}.budget", kv.budget)
-    if budget <= kv.window:
-        raise ConfigError(f"{key}={budget} must be > {p}.window={kv.window} (the window alone would fill the budget)")
-    if kv.algorithm == "streaming" and kv.sinks > budget - kv.window:
-        raise ConfigError(f"{p}.sinks={kv.sinks} must be <= {key} - {p}.window ({budget - kv.window}) so that every "
-                          "sink fits")
-
-
-def _control_bounds(control: Any, p: str) -> None:
-    _ordered(control, p, "floor", "ceiling")
-
-
-def _correction_bounds(corr: Any, p: str) -> None:
-    _ordered(corr, p, "token_low", "token_high")
-    _ordered(corr, p, "geo_low", "geo_high")
-
-
-def _k_within_n(ev: Any, p: str) -> None:
-    if any(k > ev.n for k in ev.k):
-        raise ConfigError(f"{p}.k={show(list(ev.k))}: every k must be in [1, {p}.n={ev.n}] (pass@k needs n >= k samples)")
-
-
-# Checks relating keys of one group: fn(node, prefix), run by check_section after the group's rules.
-SECTION_CHECKS: dict[str, tuple[Callable[[Any, str], None], ...]] = {
-    "rollout.kv": (_kv_fits,),
-    "rollout.kv.control": (_control_bounds,),
-    "algo.correction": (_correction_bounds,),
-    "eval": (_k_within_n,),
-}
-
-
-def _dual_clip_is_ppo(cfg) -> None:
-    if cfg.algo.dual_clip is not None and cfg.algo.policy_loss != "ppo":
-        raise ConfigError(f"algo.dual_clip={show(cfg.algo.dual_clip)} is a PPO option; set algo.dual_clip=null with "
-                          f"algo.policy_loss={cfg.algo.policy_loss}")
-
-
-def _nccl_needs_cuda(cfg) -> None:
-    if cfg.parallel.backend == "nccl" and cfg.parallel.device == "cpu":
-        raise ConfigError("parallel.backend=nccl needs parallel.device=cuda (or auto on a GPU machine); use gloo on CPU")
-
-
-def _quantization_device(cfg) -> None:
-    # parallel.device=auto is checked again where the device is known (engines/native/quantize.py check_scheme).
-    q = cfg.rollout.quantization
-    if q in ("w8a8", "fp8") and cfg.parallel.device == "cpu":
-        why = ("torch has no fast int8 x int8 matmul on CPU; use int8 (weight-only)" if q == "w8a8"
-               else "fp8 weights need a GPU; use int8")
-        raise ConfigError(f"rollout.quantization={q} is not supported with parallel.device=cpu: {why}")
-
-
-def _sglang_tp_shares_heads(cfg) -> None:
-    kv = cfg.rollout.kv
-    if cfg.rollout.engine == "sglang" and cfg.parallel.tp > 1 and kv.algorithm != "none" and kv.share != "head":
-        raise ConfigError(f"rollout.kv.share={kv.share} with rollout.engine=sglang and parallel.tp={cfg.parallel.tp}: each "
-                          "tensor-parallel rank holds only its KV heads, so one set per layer would need the ranks to "
-                          "agree; use rollout.kv.share=head, parallel.tp=1 or rollout.engine=native")
-
-
-def _overlong_fits(cfg) -> None:
-    o, cap = cfg.algo.overlong, cfg.rollout.max_new_tokens
-    if o.penalty > 0 and o.buffer > cap:
-        raise ConfigError(f"algo.overlong.buffer={o.buffer} must be <= rollout.max_new_tokens={cap}: the penalty ramps "
-                          "over the last buffer tokens of the length cap")
-
-
-def _lora_dropout_tp(cfg) -> None:
-    lora, tp = cfg.actor.lora, cfg.parallel.tp
-    if lora.rank > 0 and lora.dropout > 0 and tp > 1:
-        raise ConfigError(f"actor.lora.dropout={lora.dropout} with parallel.tp={tp}: each tensor-parallel rank would "
-                          "draw its own dropout mask for the same adapter input (actor/lora.py); set actor.lora.dropout=0")
-
-
-def _auto_budget_engine(cfg) -> None:
-    kv = cfg.rollout.kv
-    if kv.budget == "auto" and kv.algorithm == "none":
-        raise ConfigError("rollout.kv.budget=auto with rollout.kv.algorithm=none: there is no compression to control; "
-                          "choose a policy (rkv, snapkv, streaming) or a number")
-    if kv.budget == "auto" and cfg.rollout.engine == "sglang":
-        raise ConfigError("rollout.kv.budget=auto with rollout.engine=sglang: the SGLang backend takes its budget at "
-                          "start-up; use rollout.engine=native or a fixed rollout.kv.budget")
-
-
-def _rescue_dense(cfg) -> None:
-    c = cfg.algo.correction
-    if c.rescue == "none":
-        return
-    if not (c.enable and c.mode == "apply"):
-        raise ConfigError(f"algo.correction.rescue={c.rescue} re-rolls the sequences the correction rejects, but with "
-                          f"algo.correction.enable={str(c.enable).lower()} and algo.correction.mode={c.mode} it rejects "
-                          "none; set algo.correction.enable=true and algo.correction.mode=apply, or rescue=none")
-    if cfg.rollout.engine == "sglang":
-        raise ConfigError(f"algo.correction.rescue={c.rescue} with rollout.engine=sglang: the SGLang backend takes its "
-                          "KV compression at start-up and cannot generate one batch densely; use rollout.engine=native "
-                          "or algo.correction.rescue=none")
-
-
-def _openreward(cfg) -> None:
-    from sparserl.rollout.openreward.spec import parse_envs  # plain Python: no SDK, no torch
-
-    o = cfg.env.openreward
-    specs = parse_envs(o.envs)
-    if not specs and (o.serve or o.base_url):
-        raise ConfigError(f"env.openreward.{'serve' if o.serve else 'base_url'} is set but env.openreward.envs is empty: "
-                          "name the environments to train on (env.openreward.envs={Org/Name: {}})")
-    if o.serve and o.base_url:
-        raise ConfigError(f"env.openreward.serve={o.serve} and env.openreward.base_url={o.base_url}: give one (a served "
-                          "file gets its own local URL)")
-    if specs and cfg.data.train_path:
-        raise ConfigError(f"data.train_path={cfg.data.train_path} and env.openreward.envs are both set: OpenReward tasks "
-                          "are the prompts; clear one of them")
-
-
-# Checks relating keys of different groups: fn(cfg), run by check_config after every group.
-CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (_dual_clip_is_ppo, _nccl_needs_cuda, _quantization_device,
-                                                   _sglang_tp_shares_heads, _overlong_fits,
-                                                   _auto_budget_engine, _lora_dropout_tp, _rescue_dense, _openreward)
-
-
 def check_section(prefix: str, node: Any) -> None:
     """Raise a ConfigError for the first leaf of dataclass `node` (the group at dotted `prefix`) of the wrong type
     or outside its rule, then for the first failed check of the group's SECTION_CHECKS. Nested groups are not
@@ -435,6 +308,8 @@ def check_section(prefix: str, node: Any) -> None:
         if rule is not None and not rule.ok(value):
             finite = "a finite number " if isinstance(value, float) and not math.isfinite(value) else ""
             raise ConfigError(f"{key}={show(value)}: must be {finite}{rule.describe()}")
+    from sparserl.config_relations import SECTION_CHECKS  # it imports this module
+
     for check in SECTION_CHECKS.get(prefix, ()):
         check(node, prefix)
 
@@ -452,6 +327,8 @@ def groups(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
 def check_config(cfg: Any) -> None:
     """Raise a ConfigError for the first value outside its rule (group by group, in schema order), then for the
     first failed cross-group check."""
+    from sparserl.config_relations import CROSS_CHECKS  # it imports this module
+
     for prefix, node in groups(cfg):
         check_section(prefix, node)
     for check in CROSS_CHECKS:
