@@ -43,7 +43,8 @@ from sparserl.engines.native.scheduler import ScheduledBatch, Scheduler
 from sparserl.engines.native.sequence import Sequence, Status
 from sparserl.engines.native.sessions import SessionTable, check_extends, choose_victims, session_keys
 from sparserl.engines.native.slot_pool import SlotPool
-from sparserl.engines.types import Generation, GenerationRequest, KVStats, eos_ids
+from sparserl.engines.native.outputs import default_eos, finish_reason, to_generation
+from sparserl.engines.types import Generation, GenerationRequest
 
 
 @dataclass
@@ -77,7 +78,7 @@ class NativeEngine:
         self.rescore_seqs = o.rescore_seqs
         self.num_slots, self.max_num_seqs, self.max_batch_tokens = o.num_slots, o.max_num_seqs, o.max_batch_tokens
         self.seed = seed
-        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _default_eos(model, tokenizer))
+        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else default_eos(model, tokenizer))
         self.kv = o.kv or KVPolicyConfig()
         # None keeps a dense cache; otherwise sequences are compressed while they decode.
         self.compression = None if self.kv.algorithm == "none" else Compressor(self.kv, self.runner, o.max_num_seqs, tokenizer)
@@ -209,7 +210,7 @@ class NativeEngine:
         self._account(seqs, scheduler, pool, time.perf_counter() - t0)
         if self.rescore_seqs > 0:
             self._rescore(seqs)
-        return [self._to_generation(s, requests[s.request_index]) for s in seqs]
+        return [to_generation(s, requests[s.request_index], self.tokenizer) for s in seqs]
 
     def _make_sequences(self, requests: list[GenerationRequest]) -> list[Sequence]:
         # Every request is checked before any session is taken, so a bad request leaves the engine as it was.
@@ -331,7 +332,7 @@ class NativeEngine:
         for seq, tok, lp in zip(sampled, tokens, logps):
             seq.output.append(tok)
             seq.logps.append(lp)
-            reason = self._finish_reason(seq, tok)
+            reason = finish_reason(seq, tok, self.eos_token_ids, self.tokenizer)
             if reason is not None:
                 self._retire(seq, reason, scheduler, sampler)
                 finished += 1
@@ -367,23 +368,6 @@ class NativeEngine:
             self.sessions.put(seq.session, seq.tokens[: seq.num_cached], seq.slots, carry)
             seq.slots = []
 
-    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
-        p = seq.params
-        if (tok in p.stop_token_ids) or (not p.ignore_eos and tok in self.eos_token_ids):
-            return "stop"
-        if p.stop_strings and self._hits_stop_string(seq):
-            return "stop"
-        if len(seq.output) >= p.max_new_tokens:
-            return "length"
-        return None
-
-    def _hits_stop_string(self, seq: Sequence) -> bool:
-        longest = max(len(s) for s in seq.params.stop_strings)
-        # A token decodes to at least one character, so the last `longest` tokens cover any match that
-        # the newest token could have completed.
-        tail = self.tokenizer.decode(seq.output[-(longest + 1) :], skip_special_tokens=False)
-        return any(s in tail for s in seq.params.stop_strings)
-
     def _account(self, seqs: list[Sequence], scheduler: Scheduler, pool: SlotPool, elapsed: float) -> None:
         self._check_pool()
         assert scheduler.held == self.sessions.held_slots and scheduler.reserved == 0, "slot accounting drifted"
@@ -405,28 +389,6 @@ class NativeEngine:
         self._kv_sums[1] += tokens
         self._stats.extra["rollout/rescored_tokens"] = float(self._kv_sums[1])
         self._stats.extra["rollout/kv_mismatch_kl"] = self._kv_sums[0] / max(self._kv_sums[1], 1)
-
-    def _to_generation(self, seq: Sequence, req: GenerationRequest) -> Generation:
-        text = self.tokenizer.decode(seq.output, skip_special_tokens=True) if self.tokenizer is not None else None
-        kv = KVStats(
-            peak_slots=seq.peak_slots,
-            retained_tokens=seq.retained_at_finish,
-            total_tokens=seq.num_tokens - 1,
-            compressions=seq.compressions,
-            compress_s=seq.compress_s,
-            compressed_at=list(seq.compressed_at),
-            reused_tokens=seq.reused,
-        )
-        session = seq.session if seq.keep else None
-        return Generation(req.request_id, seq.sample_index, seq.prompt, list(seq.output), list(seq.logps), seq.finish_reason,
-                          text, kv, session)
-
-
-def _default_eos(model, tokenizer) -> frozenset[int]:
-    gen_cfg = getattr(model, "generation_config", None)
-    return eos_ids(getattr(gen_cfg, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
-                   getattr(tokenizer, "eos_token_id", None))
-
 
 @register_engine("native")
 def build_native_engine(**kwargs) -> NativeEngine:
