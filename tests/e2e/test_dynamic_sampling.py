@@ -4,13 +4,10 @@ stopped after step 2 and resumed that logs the same steps and ends with the same
 Every rank training on the same number of groups is checked apart (tests/dist/test_dynamic_sampling_dist.py)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from sparserl.trainer.metric_names import find
+from tests.e2e.test_faults import assert_same_run
 from tests.e2e.test_trainer import read_metrics, tiny_args, trainer, write_data
 
 # A reward that varies between the samples of a random model: the parity of the answer's characters.
@@ -21,9 +18,6 @@ async def step(state, action, extra_info):
     r = float(sum(map(ord, action)) % 2)
     return {"next_state": None, "reward": r, "score": r, "done": True, "extra_info": extra_info}
 '''
-
-TIMING = ("perf/", "mem/", "kv/compress_s")
-
 
 def _args(ckpt, data, env, out, **extra):
     return tiny_args(ckpt, data, env, out, steps=3, **{
@@ -64,15 +58,4 @@ def test_resume_in_the_middle_matches_the_uninterrupted_run(tiny_checkpoint, tas
     res = trainer(_args(tiny_checkpoint, data, env, parted, **{"trainer.resume": "auto"}), nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout + res.stderr
-    _assert_same_run(full, parted)
-
-
-def _assert_same_run(a: Path, b: Path) -> None:
-    ma, mb = read_metrics(a), read_metrics(b)
-    assert [m["step"] for m in mb] == [m["step"] for m in ma]
-    for ra, rb in zip(ma, mb):
-        for key, value in ra.items():
-            if not key.startswith(TIMING):
-                assert rb[key] == value, (ra["step"], key)
-    wa, wb = (load_file(p / "hf" / "model.safetensors") for p in (a, b))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_same_run(full, parted)
