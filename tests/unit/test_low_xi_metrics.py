@@ -50,7 +50,8 @@ def test_threshold_is_strict_and_reduce_sum_is_applied():
     # a "second rank" with the same counts leaves the fractions unchanged; a reduce that adds others' counts does not
     twice = low_xi_metrics(xi.log(), torch.zeros_like(xi), torch.ones_like(xi), torch.tensor([1.0]), reduce_sum=lambda t: 2 * t)
     assert twice == m
-    other = torch.tensor([2.0, 0.0, 2.0, 0.0], dtype=F64)  # 2 more positive tokens, none low
+    other = torch.zeros(4 + 5002, dtype=F64)  # the 4 counts, then the log-xi histogram's bins (mismatch/xi_p*)
+    other[:4] = torch.tensor([2.0, 0.0, 2.0, 0.0], dtype=F64)  # 2 more positive tokens, none low
     shifted = low_xi_metrics(xi.log(), torch.zeros_like(xi), torch.ones_like(xi), torch.tensor([1.0]),
                              reduce_sum=lambda t: t + other)
     assert shifted["mismatch/low_xi_pos_adv_frac"] == pytest.approx(1 / 4)
@@ -61,7 +62,8 @@ def test_no_positive_tokens_and_dense_rollouts():
     m = low_xi_metrics(logp_old, logp_sparse, mask, -adv.abs())
     assert m["mismatch/low_xi_pos_adv_frac"] == 0.0
     dense = low_xi_metrics(logp_sparse, logp_sparse, mask, adv)  # xi = 1 everywhere
-    assert dense == {"mismatch/low_xi_frac": 0.0, "mismatch/low_xi_pos_adv_frac": 0.0}
+    assert dense == {"mismatch/low_xi_frac": 0.0, "mismatch/low_xi_pos_adv_frac": 0.0,
+                     "mismatch/xi_p01": pytest.approx(1.0, rel=3e-3), "mismatch/xi_p05": pytest.approx(1.0, rel=3e-3)}
 
 
 @pytest.mark.parametrize("enable", [False, True])
