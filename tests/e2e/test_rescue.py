@@ -9,7 +9,8 @@ import json
 import pytest
 
 from sparserl.trainer.metric_names import find
-from tests.e2e.test_dynamic_sampling import PARITY_ENV, TIMING
+from tests.e2e.test_dynamic_sampling import PARITY_ENV
+from tests.e2e.test_faults import TIMING
 from tests.e2e.test_trainer import read_metrics, tiny_args, trainer, write_data
 
 N = 2
