@@ -42,6 +42,8 @@ class KVPolicyConfig:
                                                              "mismatch tail (sparserl/kv/budget_control.py).")
 
     def __post_init__(self) -> None:
+        if isinstance(self.control, dict):  # rebuilt from dataclasses.asdict (the SGLang scheduler's copy)
+            self.control = BudgetControlConfig(**self.control)
         check_section("rollout.kv", self)
 
     @property
