@@ -74,7 +74,7 @@ def train(cfg: Config) -> None:
     from sparserl.utils.timers import Timers
 
     info, dims, mesh = S.start_processes(cfg)
-    tp_share = dims.tp_share(info.rank)  # with tp > 1 the TP group's owner rolls out, its peers receive the samples
+    tp_share = dims.tp_share(info.rank)  # with tp or cp > 1 the first of a DP rank's ranks rolls out, its peers receive the samples
     preemption = Preemption(cfg.trainer.preempt_signals, info.device)  # from here on a signal ends the run after a step
     set_seed(cfg.trainer.seed, info.rank)
     tokenizer = S.load_tokenizer(inputs.model_path)
