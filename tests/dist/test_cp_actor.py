@@ -3,7 +3,7 @@
 Real gloo process groups (torchrun) on a tiny random Llama (GQA, 4 query / 2 KV heads): per-token log-probs,
 losses (token and sequence aggregation with an entropy term), every parameter's gradient, the single-update path
 (logp_old from the update's own forward, correction applied, its metrics), the clipped gradient norm and the
-log-probs after the optimizer step, for (dp, cp, tp) = (1, 2, 1), (2, 2, 1) and (1, 2, 2) against (1, 1, 1).
+log-probs after the optimizer step, for (dp, cp, tp) = (1, 2, 1), (1, 3, 1), (2, 2, 1) and (1, 2, 2) against (1, 1, 1).
 The batch packs uneven sequences, groups sharing a prompt and a one-token response; max_tokens splits it into
 several micro-batches, some of whose rows are shorter than 2 x cp.
 """
@@ -65,7 +65,7 @@ def by_dp(everyone, key, dp):
     return torch.cat([shares[r] for r in range(dp)])
 
 
-@pytest.mark.parametrize("dp, cp, tp", [(1, 2, 1), (2, 2, 1), (1, 2, 2)])
+@pytest.mark.parametrize("dp, cp, tp", [(1, 2, 1), (1, 3, 1), (2, 2, 1), (1, 2, 2)])
 def test_update_matches_cp1(checkpoint, reference, tmp_path, dp, cp, tp):
     out = tmp_path / "got.pt"
     launch([out, checkpoint, dp, cp, tp, MAX_TOKENS], nproc=dp * cp * tp)
