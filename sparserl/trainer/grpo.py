@@ -180,7 +180,7 @@ def train(cfg: Config) -> None:
     def save(step: int) -> None:
         state = {"step": step, "scheduler": actor.scheduler.state_dict(), "sampler": sampler.state_dict(),
                  **({"kv_budget": budget.state_dict()} if budget is not None else {}),
-                 "world_size": info.world_size, "tp": dims.tp}
+                 "world_size": info.world_size, "tp": dims.tp, "cp": dims.cp}
         checkpoint.save(cfg.trainer.output_dir, step, actor.model, actor.optimizer, state, info.rank, cfg.trainer.keep_last)
 
     for step in range(start + 1, cfg.trainer.total_steps + 1):
