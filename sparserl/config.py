@@ -226,7 +226,9 @@ class AlgoConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = opt(1, "tensor-parallel size; data-parallel size = world size / tp")
+    tp: int = opt(1, "tensor-parallel size; data-parallel size = world size / (tp x cp)")
+    cp: int = opt(1, "context-parallel size: ranks that split each packed micro-batch along the sequence "
+                     "(ring attention, docs/context_parallel.md)")
     backend: str = opt("auto", "auto | gloo | nccl", choices=("auto", "gloo", "nccl"))
     device: str = opt("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
 

@@ -190,6 +190,7 @@ RANGES: dict[str, Rule] = {
     "algo.correction.geo_low": or_null(NON_NEG),
     "algo.correction.geo_high": or_null(NON_NEG),
     "parallel.tp": COUNT,
+    "parallel.cp": COUNT,
     "trainer.total_steps": COUNT,
     "trainer.prompts_per_step": COUNT,
     "trainer.output_dir": NON_EMPTY,

@@ -91,6 +91,13 @@ def _lora_dropout_tp(cfg) -> None:
                           "draw its own dropout mask for the same adapter input (actor/lora.py); set actor.lora.dropout=0")
 
 
+def _cp_engine(cfg) -> None:
+    if cfg.parallel.cp > 1 and cfg.rollout.engine == "sglang":
+        raise ConfigError(f"parallel.cp={cfg.parallel.cp} with rollout.engine=sglang: an SGLang engine spans one "
+                          "tensor-parallel group, not a data-parallel rank's cp x tp ranks; use rollout.engine=native "
+                          "or parallel.cp=1")
+
+
 def _auto_budget_engine(cfg) -> None:
     kv = cfg.rollout.kv
     if kv.budget == "auto" and kv.algorithm == "none":
@@ -134,4 +141,4 @@ def _openreward(cfg) -> None:
 # Checks relating keys of different groups: fn(cfg), run by check_config after every group.
 CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (_dual_clip_is_ppo, _nccl_needs_cuda, _quantization_device,
                                                    _sglang_tp_shares_heads, _overlong_fits,
-                                                   _auto_budget_engine, _lora_dropout_tp, _rescue_dense, _openreward)
+                                                   _auto_budget_engine, _lora_dropout_tp, _cp_engine, _rescue_dense, _openreward)

@@ -1,9 +1,11 @@
 """Process groups, devices and the device mesh. Nothing else in sparserl builds process groups.
 
-`ParallelDims(dp, tp)` validates the layout and owns the `("dp", "tp")` DeviceMesh and the gloo side groups
-over which each tensor-parallel group's owner hands its rollouts to its peers (`TPShare`). `init_distributed`
+`ParallelDims(dp, tp, cp)` validates the layout and owns the `("dp", "cp", "tp")` DeviceMesh (with `"dp_cp"`, the
+flattened dp x cp mesh FSDP2 shards over, when cp > 1) and the gloo side groups over which the first rank of each
+data-parallel rank's cp x tp ranks hands its rollouts to the others (`TPShare`). `init_distributed`
 works under torchrun (any number of nodes) and as a plain `python` process (a world of one), picking gloo on
-CPU and nccl on CUDA. Left out on purpose: pipeline and context parallelism, expert parallelism.
+CPU and nccl on CUDA. Context parallelism (cp) splits each packed micro-batch along the sequence
+(actor/context_parallel.py, docs/context_parallel.md). Left out on purpose: pipeline and expert parallelism.
 """
 from __future__ import annotations
 
@@ -21,36 +23,61 @@ from sparserl.utils.errors import UserError
 class ParallelDims:
     dp: int
     tp: int = 1
+    cp: int = 1  # context parallel: ranks that split one packed row along the sequence (inside dp, outside tp)
 
     @classmethod
-    def from_world(cls, world_size: int, tp: int) -> "ParallelDims":
+    def from_world(cls, world_size: int, tp: int, cp: int = 1) -> "ParallelDims":
         if tp < 1 or world_size % tp:
             raise UserError(f"parallel.tp={tp} must divide the world size {world_size}")
-        return cls(dp=world_size // tp, tp=tp)
+        if cp < 1 or world_size % (tp * cp):
+            raise UserError(f"parallel.cp={cp} x parallel.tp={tp} must divide the world size {world_size}")
+        return cls(dp=world_size // (tp * cp), tp=tp, cp=cp)
 
     def validate_model(self, config) -> None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         if kv % self.tp or text.num_attention_heads % self.tp:
             raise UserError(f"parallel.tp={self.tp} must divide the model's attention heads ({text.num_attention_heads}) and KV heads ({kv})")
+        if self.cp > 1:
+            from sparserl.actor.context_parallel import check_model
+
+            check_model(text, self.cp)
 
     def build_mesh(self, device_type: str):
+        """The ("dp", "cp", "tp") mesh, row-major: the cp x tp ranks of one DP rank are consecutive, a TP group is
+        `tp` consecutive ranks. With cp > 1 it also holds "dp_cp", the flattened dp x cp mesh FSDP2 shards over."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device_type, (self.dp, self.cp, self.tp), mesh_dim_names=("dp", "cp", "tp"))
+        if self.cp > 1:
+            mesh["dp", "cp"]._flatten("dp_cp")
+        return mesh
 
     def tp_share(self, rank: int) -> "TPShare":
-        """This rank's `TPShare`. Builds a gloo side group per TP group: every rank must call it, once, at the
-        same point (each `new_group` is a collective over the world, called for all groups in one order)."""
-        owner = rank - rank % self.tp  # the mesh is (dp, tp), row-major: a TP group is `tp` consecutive ranks
-        if self.tp == 1:
+        """This rank's `TPShare`: the cp x tp ranks of its DP rank, which train on the same samples. Builds a gloo
+        side group per DP rank: every rank must call it, once, at the same point (each `new_group` is a collective
+        over the world, called for all groups in one order)."""
+        size = self.cp * self.tp  # the mesh is (dp, cp, tp), row-major: one DP rank's ranks are consecutive
+        owner = rank - rank % size
+        if size == 1:
             return TPShare(rank, owner, None)
         mine = None
-        for first in range(0, self.dp * self.tp, self.tp):
-            group = dist.new_group(list(range(first, first + self.tp)), backend="gloo", timeout=SHARE_TIMEOUT)
+        for first in range(0, self.dp * size, size):
+            group = dist.new_group(list(range(first, first + size)), backend="gloo", timeout=SHARE_TIMEOUT)
             if first == owner:
                 mine = group
         return TPShare(rank, owner, mine)
+
+
+def cp_size(mesh) -> int:
+    """The mesh's context-parallel size (1 for a mesh without a "cp" axis)."""
+    return mesh["cp"].size() if "cp" in (mesh.mesh_dim_names or ()) else 1
+
+
+def fsdp_mesh(mesh):
+    """The mesh FSDP2 shards parameters over: dp, or the flattened dp x cp when cp > 1 (the cp ranks of a DP rank
+    hold the same parameters and each computes a part of the same micro-batch's gradient)."""
+    return mesh["dp_cp"] if cp_size(mesh) > 1 else mesh["dp"]
 
 
 # A peer waits in `TPShare.from_owner` for as long as the owner's rollout takes, which can be hours; a crashed
@@ -60,14 +87,15 @@ SHARE_TIMEOUT = datetime.timedelta(hours=24)
 
 @dataclass
 class TPShare:
-    """A tensor-parallel group's one source of rollouts: its owner (first rank) runs the engine and the env loop,
-    its peers receive the owner's results, so every rank of the group trains on the same samples even where
+    """One DP rank's one source of rollouts: of its cp x tp ranks (a tensor-parallel group, or several with context
+    parallelism), the owner (first rank) runs the engine and the env loop, its peers receive the owner's results,
+    so every rank of the group trains on the same samples even where
     an env's results depend on the process (its rank, a clock, a remote service). The objects go over a gloo
     side group, pickled, on the CPU: a waiting peer does not spin on a device that the owner's engine uses."""
 
     rank: int
     owner: int
-    group: object | None  # gloo ProcessGroup over the TP group; None when tp == 1
+    group: object | None  # gloo ProcessGroup over the DP rank's cp x tp ranks; None when cp == tp == 1
 
     @property
     def is_owner(self) -> bool:

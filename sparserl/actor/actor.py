@@ -6,6 +6,11 @@ minibatch and multiplied by the DP size before backward (FSDP2 averages gradient
 same for any world size and any micro-batch split. Ranks run the same number of forwards (short ranks run
 an empty micro-batch), because every FSDP2 forward and backward is a collective.
 Tensor parallelism is applied by parallelize.py (TP plans as data, vocabulary-parallel LM head).
+Context parallelism (the mesh's "cp" axis > 1): the cp ranks of a DP rank hold the same sequences and run the same
+micro-batches, each forward split along the sequence (logprobs.py `packed_logprobs` with `cp`, ring attention,
+context_parallel.py); every cp rank gets the whole micro-batch's log-probs and computes the same loss, whose
+gradient reaches each rank's own rows only; FSDP2 (over dp x cp) sums those parts, so the loss is scaled by
+dp x cp before backward. Normalizers and metrics are reduced over dp only, as the cp ranks hold the same data.
 With more than one process the checkpoint is read on rank 0 only and broadcast into the sharded model
 (hf.py `load_model_rank0`, `load_on` / `SPARSERL_LOAD_ON=all` to read it on every rank); `full_state()` gathers
 the weights back one tensor at a time, in the dtype and on the ranks the consumer asks for (`FullState`).
@@ -32,7 +37,8 @@ from sparserl.actor.optim import build_optimizer, build_scheduler
 from sparserl.actor.parallelize import materialize, parallelize
 from sparserl.algo.aggregation import Normalizer
 from sparserl.data.packing import contiguous_minibatches, split_microbatches, split_shared_microbatches
-from sparserl.parallel import all_reduce_max, all_reduce_sum
+from sparserl.actor.context_parallel import CPGroup, check_model
+from sparserl.parallel import all_reduce_max, all_reduce_sum, cp_size
 from sparserl.model.attention import use_packed_attention
 
 
@@ -92,6 +98,11 @@ class Actor:
         else:
             model = load_model(model_path, dtype, device, prepare)
         use_packed_attention(model)
+        self.cp = None  # CPGroup with context parallelism
+        if cp_size(mesh) > 1:
+            check_model(model.config, cp_size(mesh))
+            cp = mesh["cp"]
+            self.cp = CPGroup(cp.get_group(), cp.get_local_rank(), cp.size())
         if activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.config = model.config
@@ -102,6 +113,9 @@ class Actor:
             del full_state, buffers
         self.dp_size = mesh["dp"].size()
         self.dp_group = mesh["dp"].get_group()
+        # FSDP2 averages gradients over its mesh (dp, or dp x cp); the loss is already globally normalized, and
+        # the cp ranks' gradients are parts of one sum: this undoes the average.
+        self.grad_scale = self.dp_size * (self.cp.size if self.cp is not None else 1)
         self.optimizer = self.scheduler = None
         self.consecutive_skips = 0  # optimizer steps skipped in a row by the non-finite guard (_step)
         self._bad_loss = torch.zeros((), dtype=torch.bool, device=device)
@@ -136,7 +150,7 @@ class Actor:
         else:
             seqs = PackedSeqs([batch.ids[i] for i in mb], [batch.prompt_lens[i] for i in mb])
         return packed_logprobs(self.model, seqs, self.device, self.temperature, self.top_p, self.top_k, with_entropy,
-                               self.entropy_grad, hold_context, self.chunk_mb, self.share_prompts)
+                               self.entropy_grad, hold_context, self.chunk_mb, self.share_prompts, self.cp)
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()
@@ -213,8 +227,8 @@ class Actor:
                         out[key] = out.get(key, 0.0) + float(v)
                 else:
                     loss = logp.sum() * 0.0
-                # FSDP2 averages gradients over DP ranks; the loss is already globally normalized.
-                (loss * self.dp_size).backward()
+                # FSDP2 averages gradients over DP (x CP) ranks; the loss is already globally normalized.
+                (loss * self.grad_scale).backward()
         finalize = getattr(loss_fn, "finalize", None)
         if finalize is not None:  # normalizers known only now (trainer/old_logprobs.py FusedOldLogprobLoss)
             grad_scale, metric_scales = finalize(batch, index, norm)

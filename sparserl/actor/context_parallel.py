@@ -349,3 +349,103 @@ def _local_attention(q, k, v, plan: ZigzagPlan, scale: float) -> torch.Tensor:
     s = ((qg @ kg.transpose(-1, -2)) * scale).masked_fill(~blk.mask, float("-inf"))
     o = torch.softmax(s, -1) @ vg
     return o.permute(2, 0, 1, 3).reshape(q.shape).to(q.dtype)
+
+
+# --- wiring into the actor ---------------------------------------------------------------------------------------
+def check_model(config, cp: int) -> None:
+    """Refuse models the ring cannot compute exactly (a `UserError`, one line): sliding-window attention, and a
+    value head size different from the key's (keys and values travel stacked)."""
+    from sparserl.utils.errors import UserError
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None) or ()
+    window = getattr(text, "sliding_window", None)
+    if any("sliding" in str(t) for t in layer_types) or (window and getattr(text, "use_sliding_window", True)
+                                                          and not layer_types):
+        raise UserError(f"parallel.cp={cp}: the model ({text.model_type}) uses sliding-window attention, which ring "
+                        "attention does not implement; use parallel.cp=1")
+    v_dim = getattr(text, "v_head_dim", None)
+    k_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if v_dim is not None and v_dim != k_dim:
+        raise UserError(f"parallel.cp={cp}: the model's value head size ({v_dim}) differs from its key head size "
+                        f"({k_dim}); ring attention sends keys and values stacked; use parallel.cp=1")
+
+
+@dataclass
+class CPGroup:
+    """This rank's place in its context-parallel group (the mesh's "cp" axis)."""
+
+    group: object
+    rank: int
+    size: int
+
+
+@dataclass
+class CPAttention:
+    """What `packed_attention` needs with context parallelism (`ForwardContext.cp`): the micro-batch's plan and the
+    group; every attention layer then runs `ring_attention` on this rank's rows."""
+
+    plan: ZigzagPlan
+    group: object
+
+    def attend(self, q, k, v, scale: float | None) -> torch.Tensor:
+        return ring_attention(q, k, v, self.plan, self.group, scale)
+
+
+@dataclass
+class KeptRows:
+    """Where the kept rows of a packed row (`keep`, the rows whose hidden state predicts a response token, in the
+    log-prob order; a shared prompt's last row appears once per response) live under a plan: this rank's entries
+    (`local`: its local rows, `mine`: their positions in `keep`) and how to put every rank's results back in order."""
+
+    local: torch.Tensor  # (N_r,) long: local row of each of this rank's kept entries
+    mine: torch.Tensor  # (N_r,) long: their positions in `keep`
+    counts: list[int]  # N_r of every rank
+    source: torch.Tensor  # (N,) long: entry j of `keep` is at source[j] of the (cp * max(counts)) gathered results
+
+
+def kept_rows(plan: ZigzagPlan, keep: Sequence[int], rank: int) -> KeptRows:
+    owner = torch.full((plan.total,), -1, dtype=torch.long)
+    local = torch.full((plan.total,), -1, dtype=torch.long)
+    for r, rows in enumerate(plan.rows):
+        real = rows.valid.nonzero().squeeze(1)
+        owner[rows.index[real]] = r
+        local[rows.index[real]] = real
+    keep_t = torch.as_tensor(list(keep), dtype=torch.long)
+    owners = owner[keep_t]
+    counts = [int((owners == r).sum()) for r in range(plan.cp)]
+    width = max(counts) if counts else 0
+    source = torch.empty(len(keep_t), dtype=torch.long)
+    for r in range(plan.cp):
+        at = (owners == r).nonzero().squeeze(1)
+        source[at] = r * width + torch.arange(len(at))
+    mine = (owners == rank).nonzero().squeeze(1)
+    return KeptRows(local[keep_t[mine]], mine, counts, source)
+
+
+class _GatherOwn(torch.autograd.Function):
+    """All-gather (cp, width, ...) forward; backward keeps this rank's slice. Every cp rank computes the same loss
+    from the gathered values, so d(loss)/d(its own rows) is exact on each rank, and the gradients of the model
+    (summed over the cp ranks by FSDP2's reduce-scatter) add up to one rank's gradient without cp."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank: int, size: int):
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.rank = rank
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank], None, None, None
+
+
+def gather_kept(x: torch.Tensor, kept: KeptRows, cp: CPGroup) -> torch.Tensor:
+    """This rank's per-entry results (N_r, ...) -> every kept entry's (N, ...) in `keep` order, on every cp rank.
+    Differentiable: the gradient reaching this rank's entries flows back into its own forward."""
+    width = max(kept.counts)
+    if x.shape[0] < width:
+        x = torch.cat([x, x.new_zeros((width - x.shape[0], *x.shape[1:]))])
+    gathered = _GatherOwn.apply(x, cp.group, cp.rank, cp.size)  # (cp, width, ...)
+    flat = gathered.reshape(cp.size * width, *gathered.shape[2:])
+    return flat.index_select(0, kept.source.to(flat.device))

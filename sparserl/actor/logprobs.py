@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from sparserl.actor.context_parallel import CPAttention, CPGroup, gather_kept, kept_rows, zigzag_plan
 from sparserl.actor.vocab_parallel import VocabShard, copy_to_vocab_parallel, vocab_parallel_logprobs, vocab_shard
 from sparserl.model.attention import (ATTN_NAME, ForwardContext, Span, current_context, forward_context,
                                                use_packed_attention)
@@ -92,9 +93,13 @@ class LogprobHead:
             args = (h[start : start + rows], weight, bias, self.targets[start : start + rows])
             # Checkpointed: the chunk's logits and softmax are freed now and recomputed in backward.
             outs.append(checkpoint(self._chunk, *args, use_reentrant=False) if grad else self._chunk(*args))
-        self.logp = torch.cat([o[0] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
+        # No rows (a context-parallel rank holding none of the kept rows): still a function of `hidden`, so that
+        # backward runs through this rank's forward, whose ring attention and FSDP2 reductions are collectives.
+        dtype = torch.float32 if self.shard is not None else torch.promote_types(h.dtype, torch.float32)
+        empty = (h.sum() * 0).to(dtype).expand(0) if grad and h.requires_grad else h.new_zeros(0, dtype=dtype)
+        self.logp = torch.cat([o[0] for o in outs]) if outs else empty
         if self.with_entropy:
-            self.entropy = torch.cat([o[1] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
+            self.entropy = torch.cat([o[1] for o in outs]) if outs else empty
         # Stands in for the logits; callers read the fields. Detached: the loss reaches the graph through
         # `self.logp`, never through the model's output (a view of it would only draw FSDP2's view warning).
         return self.logp.detach().view(*hidden.shape[:-1], 1)
@@ -161,11 +166,16 @@ def packed_logprobs(
     hold_context: contextlib.ExitStack | None = None,
     chunk_mb: float = DEFAULT_CHUNK_MB,
     share_prompts: bool = True,
+    cp: CPGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns response-aligned (b, T) log-probs and entropies (0 beyond each response's length).
 
     With `hold_context`, the forward context stays set until that stack closes: activation checkpointing
     recomputes the attention during backward, which must still see this micro-batch's spans.
+    With `cp` (size > 1) every rank of the cp group passes the same `seqs`: each runs the model on its zigzag
+    share of the packed row (actor/context_parallel.py) and computes the log-probs of the kept rows it holds; the
+    results are all-gathered, so every rank returns the whole micro-batch's values, and the gradient of a loss on
+    them flows back through each rank's own rows only.
     """
     install_logprob_head(model)
     if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
@@ -175,19 +185,47 @@ def packed_logprobs(
     if shard is not None and (top_p < 1.0 or top_k > 0):
         raise NotImplementedError(f"rollout.top_p={top_p} / rollout.top_k={top_k} with parallel.tp > 1: the kept set needs "
                                   "the full vocabulary, which a vocabulary-split LM head never gathers; use top_p=1, top_k=0")
-    head = LogprobHead(torch.tensor(targets, device=device), temperature, top_p, top_k, with_entropy, entropy_grad,
-                       chunk_mb, shard)
-    ctx = ForwardContext(spans=spans, head=head)
+    if cp is not None and cp.size > 1:
+        logp, ent = _cp_forward(model, flat, pos, keep, targets, spans, device, cp, hold_context,
+                                (temperature, top_p, top_k, with_entropy, entropy_grad, chunk_mb, shard))
+    else:
+        head = LogprobHead(torch.tensor(targets, device=device), temperature, top_p, top_k, with_entropy,
+                           entropy_grad, chunk_mb, shard)
+        ctx = ForwardContext(spans=spans, head=head)
+        with contextlib.ExitStack() as local:
+            (hold_context or local).enter_context(forward_context(ctx))
+            model(
+                input_ids=torch.tensor([flat], device=device),
+                position_ids=torch.tensor([pos], device=device),
+                use_cache=False,
+                logits_to_keep=torch.tensor(keep, device=device),
+            )
+        logp, ent = head.logp, head.entropy
+    ent = unflatten(ent, seqs.resp_lens) if with_entropy else None
+    return unflatten(logp, seqs.resp_lens), ent
+
+
+def _cp_forward(model, flat, pos, keep, targets, spans, device, cp: CPGroup, hold_context, head_args):
+    """The forward of one packed row split over the cp group: this rank's rows (ids, RoPE positions) by the zigzag
+    plan, ring attention in every layer, the log-probs of the kept rows this rank holds, gathered in `keep` order."""
+    plan = zigzag_plan(spans, cp.size)
+    kept = kept_rows(plan, keep, cp.rank)
+    ids = plan.shard(torch.tensor(flat), cp.rank, fill=0)
+    positions = plan.positions(cp.rank, torch.tensor(pos))
+    head = LogprobHead(torch.tensor(targets)[kept.mine].to(device), *head_args)
+    ctx = ForwardContext(head=head, cp=CPAttention(plan, cp.group))
     with contextlib.ExitStack() as local:
         (hold_context or local).enter_context(forward_context(ctx))
         model(
-            input_ids=torch.tensor([flat], device=device),
-            position_ids=torch.tensor([pos], device=device),
+            input_ids=ids[None].to(device),
+            position_ids=positions[None].to(device),
             use_cache=False,
-            logits_to_keep=torch.tensor(keep, device=device),
+            logits_to_keep=kept.local.to(device),
         )
-    ent = unflatten(head.entropy, seqs.resp_lens) if with_entropy else None
-    return unflatten(head.logp, seqs.resp_lens), ent
+    if head.entropy is None:
+        return gather_kept(head.logp, kept, cp), None
+    both = gather_kept(torch.stack([head.logp, head.entropy], 1), kept, cp)
+    return both[:, 0], both[:, 1]
 
 
 def prompt_key(ids: list[int], prompt_len: int):

@@ -2,7 +2,9 @@
 
 Tensor parallelism comes first (tp_plans.py says which module is split how); afterwards every parameter is
 a DTensor on the tp mesh, and FSDP2 `fully_shard` (per decoder layer, then the root) shards those over dp,
-giving 2-D (dp, tp) parameters. With the LM head split by vocabulary, the model's logits are each rank's
+giving 2-D (dp, tp) parameters. With context parallelism FSDP2 shards over the flattened dp x cp mesh ("dp_cp"),
+as torchtitan does: the cp ranks of a DP rank hold the same parameters, and the gradient reduce-scatter sums the
+parts of one micro-batch's gradient that each of them computed. With the LM head split by vocabulary, the model's logits are each rank's
 (N, V/tp) slice; the vocabulary range is recorded on the model (`vocab_parallel.vocab_shard`) so the
 log-prob code knows to combine slices instead of calling a dense log-softmax.
 Both work on a model built on the meta device (hf.py `load_model_rank0`); `materialize` then gives it storage
@@ -25,7 +27,7 @@ from sparserl.actor.logprobs import SHARD_ATTR, install_logprob_head
 from sparserl.actor.lora import tp_targets
 from sparserl.actor.tp_plans import tp_plan
 from sparserl.actor.vocab_parallel import ATTR, VocabShard
-from sparserl.parallel import ParallelDims
+from sparserl.parallel import ParallelDims, fsdp_mesh
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -45,7 +47,7 @@ def parallelize(model: torch.nn.Module, mesh, param_dtype: torch.dtype, reduce_d
         for name, p in model.named_parameters():  # the parallel styles make new Parameters; frozen stays frozen
             p.requires_grad_(trains[name])
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    dp = mesh["dp"]
+    dp = fsdp_mesh(mesh)  # dp, or dp x cp flattened: the cp ranks hold the same parameters
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp, mp_policy=mp)
     fully_shard(model, mesh=dp, mp_policy=mp)

@@ -37,7 +37,7 @@ def run(cfg: Config) -> None:
     model = resolve_eval_model(cfg.model.path)
     check_engine(cfg)
     info = init_distributed(cfg.parallel.device, cfg.parallel.backend)
-    dims = ParallelDims.from_world(info.world_size, cfg.parallel.tp)
+    dims = ParallelDims.from_world(info.world_size, cfg.parallel.tp, cfg.parallel.cp)
     resolve_precision(cfg, info.device)
     dp = dims.build_mesh(info.device.type)["dp"]
     tp_share = dims.tp_share(info.rank)  # with tp > 1 each TP group's owner evaluates, its peers receive the result

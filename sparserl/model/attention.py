@@ -9,6 +9,8 @@ of a forward by `forward_context(...)` and reset afterwards (the only module-lev
   sequences one call each (causal over their new tokens, full over what was cached before).
 - without a cache (actor training): each packed sequence attends causally over itself; a span with a
   `prefix` (a shared prompt, actor/logprobs.py) attends over that span's rows first, then causally over itself.
+- with context parallelism (actor training, `ctx.cp`): the rows are this rank's share of the packed row and the
+  same rule runs as ring attention over the cp group (actor/context_parallel.py).
 
 Left out on purpose: flash-attn / paged kernels (SDPA covers CPU and CUDA with one code path), sliding-window
 and ALiBi models.
@@ -60,6 +62,9 @@ class ForwardContext:
     on_queries: Callable[[int, torch.Tensor], None] | None = None
     # The actor's forwards: what the LM head computes instead of full logits (actor/logprobs.py `LogprobHead`).
     head: Callable | None = None
+    # Context parallelism (actor/context_parallel.py `CPAttention`): the rows are this rank's zigzag share of the
+    # packed row; attention is `cp.attend(q, k, v, scaling)` (ring attention over the cp group), `spans` unused.
+    cp: object | None = None
 
 
 _CTX: ForwardContext | None = None
@@ -150,6 +155,8 @@ def packed_attention(
     q = query[0].transpose(0, 1)  # (T, H, D)
     k_new = key[0].transpose(0, 1)  # (T, H_kv, D)
     v_new = value[0].transpose(0, 1)
+    if ctx.cp is not None:  # actor training with context parallelism: no cache, no decode rows
+        return ctx.cp.attend(q, k_new, v_new, scaling)[None], None
     if ctx.on_queries is not None:
         ctx.on_queries(layer, q)
     k_cache = v_cache = None

@@ -74,7 +74,7 @@ def train(cfg: Config) -> None:
     from sparserl.utils.timers import Timers
 
     info, dims, mesh = S.start_processes(cfg)
-    tp_share = dims.tp_share(info.rank)  # with tp > 1 the TP group's owner rolls out, its peers receive the samples
+    tp_share = dims.tp_share(info.rank)  # with tp or cp > 1 the first of a DP rank's ranks rolls out, its peers receive the samples
     preemption = Preemption(cfg.trainer.preempt_signals, info.device)  # from here on a signal ends the run after a step
     set_seed(cfg.trainer.seed, info.rank)
     tokenizer = S.load_tokenizer(inputs.model_path)
@@ -180,7 +180,7 @@ def train(cfg: Config) -> None:
     def save(step: int) -> None:
         state = {"step": step, "scheduler": actor.scheduler.state_dict(), "sampler": sampler.state_dict(),
                  **({"kv_budget": budget.state_dict()} if budget is not None else {}),
-                 "world_size": info.world_size, "tp": dims.tp}
+                 "world_size": info.world_size, "tp": dims.tp, "cp": dims.cp}
         checkpoint.save(cfg.trainer.output_dir, step, actor.model, actor.optimizer, state, info.rank, cfg.trainer.keep_last)
 
     for step in range(start + 1, cfg.trainer.total_steps + 1):

@@ -11,8 +11,9 @@ torch): not a LoRA adapter folder (those are evaluated, `python -m sparserl.eval
 (pickle files only with `model.allow_pickle_weights=true`) and free disk for one checkpoint in `trainer.output_dir`
 (a LoRA checkpoint holds only the adapters and is not measured). Each failure is a `UserError` naming the key or the file and row.
 
-Left out on purpose: checks that need the model or the world (tensor-parallel divisibility, the chat
-template, prompt lengths), which run where the model and tokenizer are loaded.
+`parallel.tp` x `parallel.cp` must divide the number of processes (torchrun's WORLD_SIZE).
+Left out on purpose: checks that need the model (heads divisible by tp, models context parallelism refuses, the
+chat template, prompt lengths), which run where the model and tokenizer are loaded.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class Inputs:
 
 
 def validate_inputs(cfg: Config) -> Inputs:
+    check_world(cfg)
     check_engine(cfg)
     check_lora(cfg)
     check_output_dir(cfg.trainer.output_dir)
@@ -72,6 +74,17 @@ def validate_inputs(cfg: Config) -> Inputs:
         check_free_disk(cfg.trainer.output_dir, model_path)
     envs = checked_openreward(cfg) if openreward else None
     return Inputs(env=env, rows=rows, model_path=model_path, eval_sets=eval_sets, openreward=envs)
+
+
+def check_world(cfg: Config, world_size: int | None = None) -> None:
+    """parallel.tp x parallel.cp must divide the number of processes (torchrun's WORLD_SIZE; 1 without torchrun).
+    `parallel.ParallelDims.from_world` checks it again once the processes are up."""
+    world = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    tp, cp = cfg.parallel.tp, cfg.parallel.cp
+    if world % tp:
+        raise UserError(f"parallel.tp={tp} must divide the world size {world}")
+    if world % (tp * cp):
+        raise UserError(f"parallel.cp={cp} x parallel.tp={tp} must divide the world size {world}")
 
 
 def check_lora(cfg: Config) -> None:

@@ -147,7 +147,7 @@ def build_reference(cfg: Config, actor: Actor, model_path: str, mesh, device):
 
 def start_processes(cfg: Config) -> tuple[DistInfo, ParallelDims, object]:
     info = init_distributed(cfg.parallel.device, cfg.parallel.backend)
-    dims = ParallelDims.from_world(info.world_size, cfg.parallel.tp)
+    dims = ParallelDims.from_world(info.world_size, cfg.parallel.tp, cfg.parallel.cp)
     if cfg.trainer.prompts_per_step % dims.dp:
         raise UserError(f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} must be divisible by the data-parallel size {dims.dp}")
     resolve_precision(cfg, info.device)
