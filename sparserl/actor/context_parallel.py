@@ -1,5 +1,5 @@
 """Context parallelism: one packed row split along the sequence over a `cp` process group, exact attention across
-the split by ring attention. See docs/context_parallel.md for the whole design and what is still to wire up.
+the split by ring attention. See docs/context_parallel.md for the whole design.
 
 Layout (zigzag). Every span (one packed sequence, `model.attention.Span`) of length n is padded to the next
 multiple of 2C (C = cp size) and cut into 2C chunks of c = ceil(n / 2C) rows; rank r holds chunks r and 2C-1-r of
@@ -18,15 +18,9 @@ Attention rule (per query row q, key row k, both described by span id, in-span i
 which is `packed_attention`'s rule without a cache: a span with a `prefix` (a shared prompt) attends over all of
 that span's rows first, then causally over itself.
 
-Ring attention (`ring_attention`). Each rank keeps its queries; the keys/values travel around the ring, rank r
-sending to r+1 and receiving from r-1, so at step s rank r holds the block of rank (r - s) mod C. Each (query
-block, key block) pair is computed on the rows and columns that have any visible entry only (for zigzag about half
-of every off-diagonal block), by `block_attention`, which returns the block's output and log-sum-exp (fp32); the
-blocks are merged by their log-sum-exp. The next block's transfer is posted before the current block is computed.
-Backward recomputes each block's probabilities from the final log-sum-exp (the flash-attention backward): dQ stays
-home, dK/dV accumulate in fp32 buffers that travel with the keys/values and, after one last hop, reach their owner.
-`block_attention` / `block_attention_backward` are the only compute: a fused kernel returning the log-sum-exp (and
-its varlen backward) can replace them without touching the schedule.
+Ring attention (`actor/ring_attention.py`) computes that rule across the ranks; `ZigzagPlan.block` tells it which
+rows and columns of each (query rank, key rank) pair have anything visible, and builds the mask of any row range on
+demand.
 """
 from __future__ import annotations
 
@@ -36,6 +30,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from sparserl.actor.ring_attention import ring_attention
 from sparserl.model.attention import Span
 
 
@@ -52,11 +47,23 @@ class _Rows:
 
 @dataclass
 class _Block:
-    """The visible part of one (query rank, key rank) pair: rows / cols None mean all of them."""
+    """The visible part of one (query rank, key rank) pair: the rows / cols that have any visible entry (None: all of
+    them) and their descriptions, from which `mask` builds any row range of the block's mask on demand (so no
+    (rows x cols) mask is ever stored)."""
 
     rows: torch.Tensor | None
     cols: torch.Tensor | None
-    mask: torch.Tensor  # (len(rows), len(cols)) bool
+    q_span: torch.Tensor  # (rows,) long, and the same below for the selected rows / cols
+    q_idx: torch.Tensor
+    q_prefix: torch.Tensor
+    k_span: torch.Tensor  # (cols,)
+    k_idx: torch.Tensor
+    k_valid: torch.Tensor
+
+    def mask(self, a: int, b: int) -> torch.Tensor:
+        """(b - a, cols) bool: the attention rule for rows [a, b) of the block."""
+        qs, qi, qp = self.q_span[a:b, None], self.q_idx[a:b, None], self.q_prefix[a:b, None]
+        return ((qs == self.k_span) & (self.k_idx <= qi)) | ((qp == self.k_span) & self.k_valid)
 
 
 @dataclass
@@ -112,20 +119,35 @@ class ZigzagPlan:
         return same | pre
 
     def block(self, q_rank: int, k_rank: int, device: torch.device) -> _Block | None:
-        """The visible rows/columns of a block, cached per plan (the same for every layer, forward and backward)."""
+        """The visible rows/columns of a block, cached per plan (the same for every layer, forward and backward).
+        Found from per-span extremes in O(rows + spans): a query row sees something of `k_rank` when that rank holds
+        a row of its span at or before it, or a real row of its prefix span; a key column is seen when `q_rank`
+        holds a row of its span at or after it, or (real keys only) a row whose prefix is its span."""
         key = (q_rank, k_rank, str(device))
         if key not in self._blocks:
-            mask = self.visible(q_rank, k_rank)
-            rows, cols = mask.any(1), mask.any(0)
+            q, k = self.rows[q_rank], self.rows[k_rank]
+            n = len(self.lengths) + 1  # span ids, plus slot n - 1 for "no prefix" (-1)
+            qp = torch.where(q.prefix < 0, n - 1, q.prefix)
+            k_min = torch.full((n,), self.total + 1, dtype=torch.long).scatter_reduce(0, k.span, k.idx, "amin")
+            k_real = torch.zeros(n, dtype=torch.bool).index_fill_(0, k.span[k.valid], True)
+            k_real[n - 1] = False
+            rows = (k_min[q.span] <= q.idx) | k_real[qp]
             if not rows.any():
                 self._blocks[key] = None
             else:
+                q_max = torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, q.span, q.idx, "amax")
+                prefixed = torch.zeros(n, dtype=torch.bool).index_fill_(0, qp, True)
+                prefixed[n - 1] = False
+                cols = (q_max[k.span] >= k.idx) | (prefixed[k.span] & k.valid)
                 r = None if rows.all() else rows.nonzero().squeeze(1)
                 c = None if cols.all() else cols.nonzero().squeeze(1)
-                sub = mask if r is None else mask[r]
-                sub = sub if c is None else sub[:, c]
+
+                def pick(x, i):
+                    return (x if i is None else x[i]).to(device)
+
                 self._blocks[key] = _Block(None if r is None else r.to(device), None if c is None else c.to(device),
-                                           sub.to(device))
+                                           pick(q.span, r), pick(q.idx, r), pick(q.prefix, r),
+                                           pick(k.span, c), pick(k.idx, c), pick(k.valid, c))
         return self._blocks[key]
 
     def causal_work(self) -> list[int]:
@@ -188,167 +210,6 @@ def unshard(x: torch.Tensor, plan: ZigzagPlan, group=None) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(plan.cp)]
     dist.all_gather(parts, x.contiguous(), group=group)
     return plan.unshard_gathered(torch.stack(parts))
-
-
-# --- block compute: the one place a fused kernel would go -------------------------------------------------------
-def _heads(q, k, v):
-    """(Tq, H, D), (Tk, Hkv, D) -> fp32 (Hkv, G, Tq, D), (Hkv, 1, Tk, D) x2; query head h uses KV head h // G."""
-    tq, h, d = q.shape
-    hkv = k.shape[1]
-    if h % hkv:
-        raise ValueError(f"{h} query heads are not a multiple of {hkv} key/value heads")
-    qg = q.float().reshape(tq, hkv, h // hkv, d).permute(1, 2, 0, 3)
-    return qg, k.float().permute(1, 0, 2)[:, None], v.float().permute(1, 0, 2)[:, None]
-
-
-def block_attention(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of queries q (Tq, H, D) over keys/values k, v (Tk, Hkv, D) where `mask` (Tq, Tk) is True; every
-    row must see at least one key. Returns the output (Tq, H, D) and the log-sum-exp of the scaled scores (Tq, H),
-    both fp32."""
-    qg, kg, vg = _heads(q, k, v)
-    s = (qg @ kg.transpose(-1, -2)) * scale  # (Hkv, G, Tq, Tk)
-    s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, -1)  # (Hkv, G, Tq)
-    o = torch.exp(s - lse[..., None]) @ vg  # (Hkv, G, Tq, D)
-    tq = q.shape[0]
-    return o.permute(2, 0, 1, 3).reshape(tq, -1, q.shape[2]), lse.permute(2, 0, 1).reshape(tq, -1)
-
-
-def block_attention_backward(q, k, v, mask, scale: float, dout, lse, delta):
-    """Gradients of one block given the final (merged) log-sum-exp `lse` (Tq, H) and delta = rowsum(dO * O)
-    (Tq, H): dq (Tq, H, D), dk, dv (Tk, Hkv, D), all fp32."""
-    qg, kg, vg = _heads(q, k, v)
-    hkv, g, tq, d = qg.shape
-    dog = dout.float().reshape(tq, hkv, g, d).permute(1, 2, 0, 3)  # (Hkv, G, Tq, D)
-    lse_g = lse.reshape(tq, hkv, g).permute(1, 2, 0)[..., None]
-    delta_g = delta.reshape(tq, hkv, g).permute(1, 2, 0)[..., None]
-    s = ((qg @ kg.transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf"))
-    p = torch.exp(s - lse_g)  # the final attention probabilities of this block
-    dv = (p.transpose(-1, -2) @ dog).sum(1)  # (Hkv, Tk, D)
-    ds = p * (dog @ vg.transpose(-1, -2) - delta_g)
-    dq = (ds @ kg) * scale
-    dk = (ds.transpose(-1, -2) @ qg).sum(1) * scale
-    return dq.permute(2, 0, 1, 3).reshape(tq, -1, d), dk.permute(1, 0, 2), dv.permute(1, 0, 2)
-
-
-# --- the ring ----------------------------------------------------------------------------------------------------
-def _exchange(send: torch.Tensor, recv: torch.Tensor, group, rank: int, size: int, tag: int):
-    """Post send to rank+1 and receive from rank-1 (group ranks); returns the works to wait on."""
-    nxt = dist.get_global_rank(group, (rank + 1) % size)
-    prv = dist.get_global_rank(group, (rank - 1) % size)
-    ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prv, group, tag)]
-    return dist.batch_isend_irecv(ops)
-
-
-def _take(x, idx):
-    return x if idx is None else x.index_select(0, idx)
-
-
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plan: ZigzagPlan, group, scale: float):
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        tl, h, d = q.shape
-        out = q.new_zeros((tl, h, d), dtype=torch.float32)
-        lse = q.new_full((tl, h), float("-inf"), dtype=torch.float32)
-        kv = torch.stack([k, v]).contiguous()
-        for step in range(size):
-            works = []
-            if step < size - 1:
-                nxt = torch.empty_like(kv)
-                works = _exchange(kv, nxt, group, rank, size, tag=0)
-            blk = plan.block(rank, (rank - step) % size, q.device)
-            if blk is not None:
-                o_b, l_b = block_attention(_take(q, blk.rows), _take(kv[0], blk.cols), _take(kv[1], blk.cols),
-                                           blk.mask, scale)
-                o_a, l_a = _take(out, blk.rows), _take(lse, blk.rows)
-                new = torch.logaddexp(l_a, l_b)
-                safe = new.masked_fill(torch.isinf(new), 0.0)
-                merged = o_a * torch.exp(l_a - safe)[..., None] + o_b * torch.exp(l_b - safe)[..., None]
-                if blk.rows is None:
-                    out, lse = merged, new
-                else:
-                    out.index_copy_(0, blk.rows, merged)
-                    lse.index_copy_(0, blk.rows, new)
-            for w in works:
-                w.wait()
-            if works:
-                kv = nxt
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.group, ctx.scale = plan, group, scale
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan, group, scale = ctx.plan, ctx.group, ctx.scale
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        dout = dout.float()
-        delta = (dout * out).sum(-1)  # (Tl, H)
-        dq = torch.zeros_like(out)
-        kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # travels with kv
-        for step in range(size):
-            works = []
-            if step < size - 1:
-                nxt = torch.empty_like(kv)
-                works = _exchange(kv, nxt, group, rank, size, tag=1)
-            blk = plan.block(rank, (rank - step) % size, q.device)
-            if blk is not None:
-                dq_b, dk_b, dv_b = block_attention_backward(
-                    _take(q, blk.rows), _take(kv[0], blk.cols), _take(kv[1], blk.cols), blk.mask, scale,
-                    _take(dout, blk.rows), _take(lse, blk.rows), _take(delta, blk.rows))
-                if blk.rows is None:
-                    dq += dq_b
-                else:
-                    dq.index_add_(0, blk.rows, dq_b)
-                if blk.cols is None:
-                    dkv[0] += dk_b
-                    dkv[1] += dv_b
-                else:
-                    dkv[0].index_add_(0, blk.cols, dk_b)
-                    dkv[1].index_add_(0, blk.cols, dv_b)
-            if size > 1:  # the accumulated dK/dV go one hop on; after the last step, that hop reaches the owner
-                dnxt = torch.empty_like(dkv)
-                works += _exchange(dkv, dnxt, group, rank, size, tag=2)
-            for w in works:
-                w.wait()
-            if step < size - 1:
-                kv = nxt
-            if size > 1:
-                dkv = dnxt
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
-
-
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ZigzagPlan, group=None,
-                   scale: float | None = None) -> torch.Tensor:
-    """Exact attention of this rank's local rows over the whole packed row, split over the cp `group` by `plan`.
-
-    q (Tl, H, D) post-RoPE, k / v (Tl, Hkv, D), H a multiple of Hkv (query head h uses KV head h // (H / Hkv), as in
-    transformers' repeat_kv) -> (Tl, H, D) in q's dtype. A collective: every rank of the group calls it, in the
-    same order, with the same plan. Differentiable in q, k, v.
-    """
-    size = dist.get_world_size(group) if dist.is_initialized() else 1
-    if size != plan.cp:
-        raise ValueError(f"the plan splits over {plan.cp} ranks, the group has {size}")
-    if q.shape[0] != plan.local_len or k.shape[0] != plan.local_len or v.shape != k.shape:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected {plan.local_len} "
-                         "local rows and keys shaped like values")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if size == 1 and not dist.is_initialized():
-        return _local_attention(q, k, v, plan, scale)
-    if group is None:
-        group = dist.group.WORLD
-    return _RingAttention.apply(q, k, v, plan, group, scale)
-
-
-def _local_attention(q, k, v, plan: ZigzagPlan, scale: float) -> torch.Tensor:
-    """cp = 1 without a process group: the same block math on one block (autograd through plain ops)."""
-    blk = plan.block(0, 0, q.device)
-    qg, kg, vg = _heads(q, k, v)
-    s = ((qg @ kg.transpose(-1, -2)) * scale).masked_fill(~blk.mask, float("-inf"))
-    o = torch.softmax(s, -1) @ vg
-    return o.permute(2, 0, 1, 3).reshape(q.shape).to(q.dtype)
 
 
 # --- wiring into the actor ---------------------------------------------------------------------------------------

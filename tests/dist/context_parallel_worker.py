@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sparserl.actor.context_parallel import ring_attention, unshard, zigzag_plan
+from sparserl.actor.context_parallel import unshard, zigzag_plan
+from sparserl.actor.ring_attention import ring_attention
 from sparserl.model.attention import ForwardContext, Span, forward_context, packed_attention
 
 D = 8

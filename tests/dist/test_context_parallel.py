@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparserl.actor.context_parallel import block_attention, block_attention_backward, ring_attention, zigzag_plan
+from sparserl.actor.context_parallel import zigzag_plan
+import sparserl.actor.ring_attention as ring_attention_module
+from sparserl.actor.ring_attention import block_attention, block_attention_backward, ring_attention
 from sparserl.model.attention import Span
 
 WORKER = Path(__file__).with_name("context_parallel_worker.py")
@@ -136,8 +138,13 @@ def test_local_ring_attention_without_group():
     assert (out - torch.cat(ref)).abs().max() < 1e-5
 
 
-def test_block_attention_backward_matches_autograd():
-    """The block kernel's contract: output + LSE forward, and the LSE-based backward, against plain autograd."""
+@pytest.mark.parametrize("flash", [True, False])
+@pytest.mark.parametrize("tile_scores", [1 << 23, 12])
+def test_block_attention_backward_matches_autograd(monkeypatch, flash, tile_scores):
+    """The block kernel's contract: output + LSE forward, and the LSE-based backward, against plain autograd; with
+    the fused CPU kernel and with the explicit one (other devices), in one tile and in query tiles of 1-2 rows."""
+    monkeypatch.setattr(ring_attention_module, "_flash", lambda device: flash)
+    monkeypatch.setattr(ring_attention_module, "TILE_SCORES", tile_scores)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(7, 6, 8, generator=g, requires_grad=True)
     k = torch.randn(5, 2, 8, generator=g, requires_grad=True)
@@ -152,8 +159,7 @@ def test_block_attention_backward_matches_autograd():
     assert (lse - s.logsumexp(-1).T).abs().max() < 1e-6
     dout = torch.randn(7, 6, 8, generator=g)
     ref.backward(dout)
-    dq, dk, dv = block_attention_backward(q.detach(), k.detach(), v.detach(), mask, 0.3, dout, lse,
-                                          (dout * out).sum(-1))
+    dq, dk, dv = block_attention_backward(q.detach(), k.detach(), v.detach(), mask, 0.3, dout, lse, out)
     for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         assert (got - want).abs().max() < 1e-5
 
@@ -167,3 +173,25 @@ def test_plan_rejects_bad_layouts():
         zigzag_plan([Span(0, 3, slots=torch.arange(3))], 2)
     with pytest.raises(ValueError, match="ranks"):
         ring_attention(torch.zeros(4, 2, 8), torch.zeros(4, 2, 8), torch.zeros(4, 2, 8), zigzag_plan([4], 2))
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_block_rows_cols_and_tile_masks_match_the_rule(cp):
+    """`ZigzagPlan.block` finds the visible rows/columns without building the (rows x cols) mask; its on-demand
+    masks equal the attention rule (`visible`) on those rows and columns, in any row range."""
+    spans = [Span(0, 10), Span(10, 13, prefix=0), Span(13, 14, prefix=0), Span(14, 31), Span(31, 33)]
+    plan = zigzag_plan(spans, cp)
+    for qr in range(cp):
+        for kr in range(cp):
+            vis = plan.visible(qr, kr)
+            blk = plan.block(qr, kr, torch.device("cpu"))
+            if not vis.any():
+                assert blk is None
+                continue
+            rows = torch.arange(vis.shape[0]) if blk.rows is None else blk.rows
+            cols = torch.arange(vis.shape[1]) if blk.cols is None else blk.cols
+            assert torch.equal(rows, vis.any(1).nonzero().squeeze(1))
+            assert torch.equal(cols, vis.any(0).nonzero().squeeze(1))
+            sub = vis[rows][:, cols]
+            assert torch.equal(blk.mask(0, len(rows)), sub)
+            assert torch.equal(blk.mask(1, 3), sub[1:3])

@@ -1,0 +1,243 @@
+"""Ring attention over a context-parallel group: the block compute and the ring schedule (the layout it runs on is
+`actor/context_parallel.py`'s zigzag plan; docs/context_parallel.md has the design).
+
+Each rank keeps its queries; the keys/values travel around the ring, rank r sending to r+1 and receiving from r-1,
+so at step s rank r holds the block of rank (r - s) mod C. Each (query block, key block) pair is computed on the rows
+and columns that have any visible entry only, by `block_attention`, which returns the block's output and
+log-sum-exp (fp32); blocks merge by their log-sum-exp. The next block's transfer is posted before the current block
+is computed. Backward recomputes each block's probabilities from the final log-sum-exp (the flash-attention
+backward): dQ stays home, dK/dV accumulate in fp32 buffers that travel with the keys/values and, after one last hop,
+reach their owner.
+
+The block compute runs in query tiles whose mask is built on the fly from the plan's row descriptions, so memory
+stays O(tile x keys) however long the sequence: on CPU through torch's fused flash-attention kernel (which returns
+the log-sum-exp and takes the final one in its backward), elsewhere through explicit fp32 matmuls. A CUDA fused
+kernel with the same contract (flash-attn's varlen with an LSE output, or SDPA's memory-efficient kernel with a
+bias) would replace `_kernel_forward` / `_kernel_backward` only.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from sparserl.actor.context_parallel import ZigzagPlan
+
+# A query tile holds at most this many (query, key) scores (per head for the explicit path): 8M fp32 = 32 MB.
+TILE_SCORES = 1 << 23
+
+Mask = torch.Tensor | Callable[[int, int], torch.Tensor]  # (Tq, Tk) bool, or rows [a, b) of it on demand
+
+
+def _flash(device: torch.device) -> bool:
+    return device.type == "cpu"
+
+
+def _tiles(tq: int, tk: int, heads: int, flash: bool):
+    step = max(1, TILE_SCORES // max(1, tk * (1 if flash else heads)))
+    for a in range(0, tq, step):
+        yield a, min(tq, a + step)
+
+
+def _rows(mask: Mask, a: int, b: int) -> torch.Tensor:
+    return mask[a:b] if isinstance(mask, torch.Tensor) else mask(a, b)
+
+
+def _bhtd(x: torch.Tensor) -> torch.Tensor:
+    """(T, H, D) -> fp32 (1, H, T, D) contiguous, the fused kernel's layout."""
+    return x.float().transpose(0, 1).contiguous()[None]
+
+
+def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Keys/values (Tk, Hkv, D) -> (1, H, Tk, D) fp32: query head h uses KV head h // groups (transformers'
+    repeat_kv)."""
+    return _bhtd(x.repeat_interleave(groups, 1) if groups > 1 else x)
+
+
+def _groups(q: torch.Tensor, k: torch.Tensor) -> int:
+    h, hkv = q.shape[1], k.shape[1]
+    if h % hkv:
+        raise ValueError(f"{h} query heads are not a multiple of {hkv} key/value heads")
+    return h // hkv
+
+
+def _bias(mask: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _kernel_forward(q, k, v, mask, scale: float, flash: bool):
+    """One tile: q (1, H, t, D), k/v (1, H, Tk, D), mask (t, Tk) -> out (1, H, t, D), lse (1, H, t)."""
+    if flash:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=_bias(mask),
+                                                                           scale=scale)
+    s = (q @ k.transpose(-1, -2)).mul_(scale).masked_fill_(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.exp(s.sub_(lse[..., None])) @ v, lse
+
+
+def _kernel_backward(q, k, v, mask, scale: float, dout, lse, out, flash: bool):
+    """One tile's gradients given the final (merged) `out` (1, H, t, D) and `lse` (1, H, t): dq, dk, dv."""
+    if flash:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, False, attn_mask=_bias(mask), scale=scale)
+    s = (q @ k.transpose(-1, -2)).mul_(scale).masked_fill_(~mask, float("-inf"))
+    p = torch.exp(s.sub_(lse[..., None]))  # the final attention probabilities of this block
+    dv = p.transpose(-1, -2) @ dout
+    ds = p * (dout @ v.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+    return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, dv
+
+
+def block_attention(q, k, v, mask: Mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of queries q (Tq, H, D) over keys/values k, v (Tk, Hkv, D) where `mask` (Tq, Tk) is True; every
+    row must see at least one key. Returns the output (Tq, H, D) and the log-sum-exp of the scaled scores (Tq, H),
+    both fp32."""
+    g, flash = _groups(q, k), _flash(q.device)
+    kk, vv = _expand(k, g), _expand(v, g)
+    outs, lses = [], []
+    for a, b in _tiles(q.shape[0], k.shape[0], q.shape[1], flash):
+        o, lse = _kernel_forward(_bhtd(q[a:b]), kk, vv, _rows(mask, a, b), scale, flash)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0].transpose(0, 1))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def block_attention_backward(q, k, v, mask: Mask, scale: float, dout, lse, out):
+    """Gradients of one block given the final (merged) output `out` (Tq, H, D) and log-sum-exp `lse` (Tq, H):
+    dq (Tq, H, D), dk, dv (Tk, Hkv, D), all fp32."""
+    g, flash = _groups(q, k), _flash(q.device)
+    kk, vv = _expand(k, g), _expand(v, g)
+    dk, dv = torch.zeros_like(kk), torch.zeros_like(vv)
+    dqs = []
+    for a, b in _tiles(q.shape[0], k.shape[0], q.shape[1], flash):
+        lse_t = lse[a:b].float().transpose(0, 1).contiguous()[None]
+        dq_t, dk_t, dv_t = _kernel_backward(_bhtd(q[a:b]), kk, vv, _rows(mask, a, b), scale, _bhtd(dout[a:b]),
+                                            lse_t, _bhtd(out[a:b]), flash)
+        dqs.append(dq_t[0].transpose(0, 1))
+        dk += dk_t
+        dv += dv_t
+    tk, hkv, d = k.shape
+
+    def fold(x):  # (1, H, Tk, D) -> (Tk, Hkv, D), summing each KV head's query group
+        return x[0].transpose(0, 1).reshape(tk, hkv, g, d).sum(2)
+
+    return torch.cat(dqs), fold(dk), fold(dv)
+
+
+# --- the ring ----------------------------------------------------------------------------------------------------
+def _exchange(send: torch.Tensor, recv: torch.Tensor, group, rank: int, size: int, tag: int):
+    """Post send to rank+1 and receive from rank-1 (group ranks); returns the works to wait on."""
+    nxt = dist.get_global_rank(group, (rank + 1) % size)
+    prv = dist.get_global_rank(group, (rank - 1) % size)
+    ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prv, group, tag)]
+    return dist.batch_isend_irecv(ops)
+
+
+def _take(x, idx):
+    return x if idx is None else x.index_select(0, idx)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: ZigzagPlan, group, scale: float):
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        tl, h, d = q.shape
+        out = q.new_zeros((tl, h, d), dtype=torch.float32)
+        lse = q.new_full((tl, h), float("-inf"), dtype=torch.float32)
+        kv = torch.stack([k, v]).contiguous()
+        for step in range(size):
+            works = []
+            if step < size - 1:
+                nxt = torch.empty_like(kv)
+                works = _exchange(kv, nxt, group, rank, size, tag=0)
+            blk = plan.block(rank, (rank - step) % size, q.device)
+            if blk is not None:
+                o_b, l_b = block_attention(_take(q, blk.rows), _take(kv[0], blk.cols), _take(kv[1], blk.cols),
+                                           blk.mask, scale)
+                o_a, l_a = _take(out, blk.rows), _take(lse, blk.rows)
+                new = torch.logaddexp(l_a, l_b)
+                safe = new.masked_fill(torch.isinf(new), 0.0)
+                merged = o_a * torch.exp(l_a - safe)[..., None] + o_b * torch.exp(l_b - safe)[..., None]
+                if blk.rows is None:
+                    out, lse = merged, new
+                else:
+                    out.index_copy_(0, blk.rows, merged)
+                    lse.index_copy_(0, blk.rows, new)
+            for w in works:
+                w.wait()
+            if works:
+                kv = nxt
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.group, ctx.scale = plan, group, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, group, scale = ctx.plan, ctx.group, ctx.scale
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        dout = dout.float()
+        dq = torch.zeros_like(out)
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # travels with kv
+        for step in range(size):
+            works = []
+            if step < size - 1:
+                nxt = torch.empty_like(kv)
+                works = _exchange(kv, nxt, group, rank, size, tag=1)
+            blk = plan.block(rank, (rank - step) % size, q.device)
+            if blk is not None:
+                dq_b, dk_b, dv_b = block_attention_backward(
+                    _take(q, blk.rows), _take(kv[0], blk.cols), _take(kv[1], blk.cols), blk.mask, scale,
+                    _take(dout, blk.rows), _take(lse, blk.rows), _take(out, blk.rows))
+                if blk.rows is None:
+                    dq += dq_b
+                else:
+                    dq.index_add_(0, blk.rows, dq_b)
+                if blk.cols is None:
+                    dkv[0] += dk_b
+                    dkv[1] += dv_b
+                else:
+                    dkv[0].index_add_(0, blk.cols, dk_b)
+                    dkv[1].index_add_(0, blk.cols, dv_b)
+            if size > 1:  # the accumulated dK/dV go one hop on; after the last step, that hop reaches the owner
+                dnxt = torch.empty_like(dkv)
+                works += _exchange(dkv, dnxt, group, rank, size, tag=2)
+            for w in works:
+                w.wait()
+            if step < size - 1:
+                kv = nxt
+            if size > 1:
+                dkv = dnxt
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ZigzagPlan, group=None,
+                   scale: float | None = None) -> torch.Tensor:
+    """Exact attention of this rank's local rows over the whole packed row, split over the cp `group` by `plan`.
+
+    q (Tl, H, D) post-RoPE, k / v (Tl, Hkv, D), H a multiple of Hkv (query head h uses KV head h // (H / Hkv), as in
+    transformers' repeat_kv) -> (Tl, H, D) in q's dtype. A collective: every rank of the group calls it, in the
+    same order, with the same plan. Differentiable in q, k, v.
+    """
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    if size != plan.cp:
+        raise ValueError(f"the plan splits over {plan.cp} ranks, the group has {size}")
+    if q.shape[0] != plan.local_len or k.shape[0] != plan.local_len or v.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected {plan.local_len} "
+                         "local rows and keys shaped like values")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if size == 1 and not dist.is_initialized():
+        return _local_attention(q, k, v, plan, scale)
+    if group is None:
+        group = dist.group.WORLD
+    return _RingAttention.apply(q, k, v, plan, group, scale)
+
+
+def _local_attention(q, k, v, plan: ZigzagPlan, scale: float) -> torch.Tensor:
+    """cp = 1 without a process group: the same rule on one block, through plain ops (autograd)."""
+    g = _groups(q, k)
+    qq, kk, vv = _bhtd(q), _expand(k, g), _expand(v, g)
+    s = ((qq @ kk.transpose(-1, -2)) * scale).masked_fill(~plan.visible(0, 0).to(q.device), float("-inf"))
+    return (torch.softmax(s, -1) @ vv)[0].transpose(0, 1).to(q.dtype)
