@@ -148,7 +148,7 @@ METRICS: tuple[Metric, ...] = (
            SFT),
     Metric("actor/skipped_steps", "Optimizer steps skipped for a non-finite loss or gradient norm"),
     Metric("actor/lr", "Learning rate after the step's optimizer steps", SFT),
-    Metric("actor/token_acc", "Share of target tokens that are the model's argmax prediction", "SFT only"),
+    Metric("actor/target_prob", "Mean probability of the target tokens before the step (a smooth token accuracy)", "SFT only"),
     # mismatch/
     Metric("mismatch/kl", "Mean of logp_sparse - logp_old per token: a k1 estimate of KL(sampler || dense policy)"),
     Metric("mismatch/k3_kl", "Mean of xi - 1 - log xi per token: the k3 estimate of the same KL (non-negative)"),

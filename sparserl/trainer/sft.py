@@ -2,8 +2,8 @@
 
 Same Hydra config as `sparserl.trainer.grpo` (no keys of its own): `model.*` picks the checkpoint and the
 dtypes, `actor.lr` / `actor.betas` / `actor.weight_decay` / `actor.lr_schedule` / `actor.warmup_steps` /
-`actor.max_grad_norm` the AdamW update, `actor.max_tokens_per_device` the micro-batch size (padded tokens),
-`trainer.prompts_per_step` the batch size, `trainer.total_steps` the number of updates,
+`actor.max_grad_norm` the AdamW update, `actor.max_tokens_per_device` the packed micro-batch size, `actor.lora.*`
+LoRA adapters, `model.activation_checkpointing`, `trainer.prompts_per_step` the batch size, `trainer.total_steps` the number of updates,
 `trainer.output_dir` where `metrics.jsonl`, `config.yaml` and the trained policy `hf/` go.
 
 Examples come from `data.train_path` (a JSONL file whose rows hold `data.prompt_key`, a string or chat
@@ -13,8 +13,11 @@ them (chat template, `data.system_prompt`), the target is the response followed 
 and the loss is the mean cross-entropy over target tokens only. `model.path=<output_dir>/hf` then starts
 GRPO from the result.
 
-Left out on purpose: several processes (one CPU or GPU process is enough for a warm-start), packing,
-evaluation, checkpoints and resume (a warm-start is short; rerun it).
+It trains the GRPO trainer's actor (`actor/actor.py`): packed micro-batches, FSDP2, and under torchrun the same
+`parallel.tp` and `parallel.cp` (one long example split over the cp ranks, ring attention), each DP rank taking
+its share of every batch. The loss is a loss function of the actor's (per-token log-probs of the targets).
+
+Left out on purpose: evaluation, checkpoints and resume (a warm-start is short; rerun it).
 """
 from __future__ import annotations
 
@@ -23,20 +26,19 @@ import math
 import random
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from sparserl.actor.hf import export_hf, load_model, load_tokenizer, parse_dtype, resolve_model_path
-from sparserl.actor.optim import build_optimizer, build_scheduler
+from sparserl.actor.actor import Actor, Normalizer, TrainBatch
+from sparserl.actor.export import export_final
+from sparserl.actor.hf import load_tokenizer, resolve_model_path
 from sparserl.cli import parse_cli
 from sparserl.config import Config, to_dict, to_yaml
 from sparserl.data.dataset import PromptRow, format_prompt
-from sparserl.parallel import choose_device
-from sparserl.launch.precision import resolve_precision
+from sparserl.parallel import all_reduce_sum, teardown
+from sparserl.trainer.setup import start_processes
 from sparserl.utils.envload import load_env
 from sparserl.utils.errors import UserError, run_main
 from sparserl.utils.logging import MetricsLogger, log0, progress
@@ -118,35 +120,27 @@ def batches(num: int, batch_size: int, seed: int, shuffle: bool):
             pending = pending[batch_size:]
 
 
-def microbatches(examples: list[Example], max_tokens: int) -> list[list[Example]]:
-    """Consecutive groups whose padded size (rows x longest) stays within `max_tokens` (one row at least)."""
-    groups: list[list[Example]] = []
-    for ex in sorted(examples, key=lambda e: len(e.ids)):
-        if groups and (len(groups[-1]) + 1) * max(len(ex.ids), max(len(e.ids) for e in groups[-1])) <= max_tokens:
-            groups[-1].append(ex)
-        else:
-            groups.append([ex])
-    return groups
+def share(batch: list[int], dp_rank: int, dp: int) -> list[int]:
+    """This DP rank's examples of a batch (every rank draws the same batch)."""
+    return batch[dp_rank::dp]
 
 
-def response_loss(model, group: list[Example], pad_id: int, device: torch.device) -> tuple[torch.Tensor, int, int]:
-    """Summed cross-entropy over the response tokens of `group`, their count and how many argmax hits."""
-    width = max(len(e.ids) for e in group)
-    ids = torch.full((len(group), width), pad_id, dtype=torch.long)  # (B, T), right-padded
-    attn = torch.zeros((len(group), width), dtype=torch.long)
-    target_mask = torch.zeros((len(group), width), dtype=torch.bool)  # (B, T): position t predicts token t + 1
-    for row, e in enumerate(group):
-        ids[row, : len(e.ids)] = torch.tensor(e.ids)
-        attn[row, : len(e.ids)] = 1
-        target_mask[row, e.prompt_len - 1 : len(e.ids) - 1] = True
-    ids, attn, target_mask = ids.to(device), attn.to(device), target_mask.to(device)
-    hidden = model.base_model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B, T, H)
-    # The LM head runs only on rows that predict a response token: most of a row is prompt.
-    logits = model.get_output_embeddings()(hidden[target_mask]).float()  # (N, V)
-    targets = ids[:, 1:][target_mask[:, :-1]]  # (N,)
-    loss = F.cross_entropy(logits, targets, reduction="sum")
-    hits = int((logits.argmax(-1) == targets).sum())
-    return loss, int(targets.numel()), hits
+def train_batch(examples: list[Example]) -> TrainBatch:
+    """Examples as the actor's batch: the response tokens (target + EOS) are the trained tokens."""
+    width = max((len(e.ids) - e.prompt_len for e in examples), default=1)
+    mask = torch.zeros(len(examples), width)
+    for row, e in enumerate(examples):
+        mask[row, : len(e.ids) - e.prompt_len] = 1.0
+    return TrainBatch(ids=[e.ids for e in examples], prompt_lens=[e.prompt_len for e in examples], mask=mask,
+                      advantages=torch.zeros(len(examples)))
+
+
+def nll_loss(logp: torch.Tensor, entropy, batch: TrainBatch, idx: torch.Tensor, norm: Normalizer):
+    """The actor's loss function for SFT: summed -log p of the targets over the batch's target count (all DP
+    ranks), so the micro-batches' gradients add up to the mean cross-entropy's."""
+    mask = batch.mask[idx, : logp.shape[1]]
+    nll = -(logp * mask).sum()
+    return nll / norm.tokens, {"nll_sum": float(nll.detach()), "p_sum": float((logp.detach().exp() * mask).sum())}
 
 
 def train(cfg: Config) -> None:
@@ -157,37 +151,34 @@ def train(cfg: Config) -> None:
     records, source = read_examples(cfg)  # user errors surface here, before anything is written
     model_path = resolve_model_path(cfg.model.path)
     set_seed(cfg.trainer.seed)
-    device = choose_device(cfg.parallel.device)
-    resolve_precision(cfg, device)
+    info, dims, mesh = start_processes(cfg)
     tokenizer = load_tokenizer(model_path)
     examples = tokenize_examples(cfg, records, source, tokenizer)
-    model = load_model(model_path, cfg.model.dtype, device)
-    model.train()
     a = cfg.actor
-    optimizer = build_optimizer(model.parameters(), a.lr, a.betas, a.weight_decay)
-    scheduler = build_scheduler(optimizer, a.lr_schedule, a.warmup_steps, cfg.trainer.total_steps, a.min_lr_ratio)
-    compute = parse_dtype(cfg.model.compute_dtype)
-    # Master weights in model.dtype, matmuls in model.compute_dtype (the GRPO actor's split).
-    autocast = (lambda: torch.autocast(device.type, dtype=compute)) if compute != parse_dtype(cfg.model.dtype) else nullcontext
+    actor = Actor(model_path, mesh, info.device, dtype=cfg.model.dtype, compute_dtype=cfg.model.compute_dtype, lr=a.lr,
+                  betas=a.betas, weight_decay=a.weight_decay, lr_schedule=a.lr_schedule, warmup_steps=a.warmup_steps,
+                  total_steps=cfg.trainer.total_steps, min_lr_ratio=a.min_lr_ratio, max_grad_norm=a.max_grad_norm,
+                  max_tokens_per_device=a.max_tokens_per_device,
+                  activation_checkpointing=cfg.model.activation_checkpointing, logprob_chunk_mb=a.logprob_chunk_mb,
+                  share_prompts=False, lora=a.lora, seed=cfg.trainer.seed)
+    dp_rank = mesh["dp"].get_local_rank()
 
     out = Path(cfg.trainer.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(to_yaml(cfg))
-    logger = MetricsLogger(out, 0, to_dict(cfg), cfg.logger.wandb.mode, cfg.logger.wandb.project, cfg.logger.wandb.name,
-                           console=False, total_steps=cfg.trainer.total_steps)
+    if info.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(to_yaml(cfg))
+    logger = MetricsLogger(out, info.rank, to_dict(cfg), cfg.logger.wandb.mode, cfg.logger.wandb.project,
+                           cfg.logger.wandb.name, console=False, total_steps=cfg.trainer.total_steps)
     logger.truncate_after(-1)
     log0(f"sft: {len(examples)} examples from {source}, batch {cfg.trainer.prompts_per_step}, "
-         f"{cfg.trainer.total_steps} steps; output: {out.resolve()}")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+         f"{cfg.trainer.total_steps} steps, dp={dims.dp} cp={dims.cp} tp={dims.tp}; output: {out.resolve()}")
     stream = batches(len(examples), min(cfg.trainer.prompts_per_step, len(examples)), cfg.trainer.seed, cfg.data.shuffle)
 
-    with progress(cfg.trainer.total_steps, "sft", 0, cfg.logger.progress) as bar:
+    with progress(cfg.trainer.total_steps, "sft", info.rank, cfg.logger.progress) as bar:
         for step in range(1, cfg.trainer.total_steps + 1):
             t0 = time.perf_counter()
-            metrics = train_step(model, optimizer, [examples[i] for i in next(stream)], a.max_tokens_per_device,
-                                 a.max_grad_norm, pad_id, device, autocast)
-            metrics["actor/lr"] = scheduler.get_last_lr()[0]
-            scheduler.step()
+            batch = train_batch([examples[i] for i in share(next(stream), dp_rank, dims.dp)])
+            metrics = train_step(actor, batch)
             metrics["perf/step_s"] = time.perf_counter() - t0
             metrics["perf/train_tok_s"] = metrics.pop("tokens") / metrics["perf/step_s"]
             if not math.isfinite(metrics["actor/loss"]):
@@ -196,29 +187,27 @@ def train(cfg: Config) -> None:
             bar.update(1)
             if step == 1 or step % LOG_EVERY == 0 or step == cfg.trainer.total_steps:
                 log0(f"step {step}/{cfg.trainer.total_steps} | loss {metrics['actor/loss']:.4f} | "
-                     f"token acc {metrics['actor/token_acc']:.3f} | gnorm {metrics['actor/grad_norm']:.3g} | "
+                     f"target p {metrics['actor/target_prob']:.3f} | gnorm {metrics['actor/grad_norm']:.3g} | "
                      f"lr {metrics['actor/lr']:.2e} | {metrics['perf/step_s']:.1f} s")
     logger.close()
-    path = export_hf(model, tokenizer, out / "hf")
-    log0(f"exported the fine-tuned policy to {path}")
+    export_final(cfg, actor, tokenizer, info.rank)
+    teardown()
 
 
-def train_step(model, optimizer, batch: list[Example], max_tokens: int, max_grad_norm: float, pad_id: int,
-               device: torch.device, autocast) -> dict[str, float]:
-    """One AdamW update on `batch`: gradients accumulated over micro-batches, loss = mean over target tokens."""
-    num_targets = sum(len(e.ids) - e.prompt_len for e in batch)
-    total_loss, hits = 0.0, 0
-    for group in microbatches(batch, max_tokens):
-        with autocast():
-            loss, _, group_hits = response_loss(model, group, pad_id, device)
-        (loss / num_targets).backward()
-        total_loss += float(loss.detach())
-        hits += group_hits
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"actor/loss": total_loss / num_targets, "actor/token_acc": hits / num_targets,
-            "actor/grad_norm": float(grad_norm), "tokens": sum(len(e.ids) for e in batch)}
+def train_step(actor: Actor, batch: TrainBatch) -> dict[str, float]:
+    """One AdamW update on this rank's share of the batch: gradients accumulated over packed micro-batches
+    (the actor's), loss = mean cross-entropy over every DP rank's target tokens."""
+    lr = actor.scheduler.get_last_lr()[0]
+    index = list(range(len(batch)))
+    metrics = actor.accumulate_gradients(batch, nll_loss, index, with_entropy=False)
+    grad_norm, _ = actor._step()
+    sums = torch.tensor([metrics.get("nll_sum", 0.0), float(batch.mask.sum()), metrics.get("p_sum", 0.0),
+                         float(sum(batch.lengths()))], dtype=torch.float64, device=actor.device)
+    all_reduce_sum(sums, actor.dp_group)
+    nll, targets, p_sum, tokens = sums.tolist()
+    # actor/target_prob: the target tokens' mean probability before the step (a smooth token accuracy).
+    return {"actor/loss": nll / targets, "actor/target_prob": p_sum / targets, "actor/grad_norm": grad_norm,
+            "actor/lr": lr, "tokens": tokens}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,7 +3,8 @@
 Real gloo process groups (torchrun) on a tiny random Llama (GQA, 4 query / 2 KV heads): per-token log-probs,
 losses (token and sequence aggregation with an entropy term), every parameter's gradient, the single-update path
 (logp_old from the update's own forward, correction applied, its metrics), the clipped gradient norm and the
-log-probs after the optimizer step, for (dp, cp, tp) = (1, 2, 1), (1, 3, 1), (2, 2, 1) and (1, 2, 2) against (1, 1, 1).
+log-probs after the optimizer step, for (dp, cp, tp) = (1, 2, 1), (1, 3, 1), (2, 2, 1) and (1, 2, 2) against (1, 1, 1), and at cp = 3 on SmolLM2's
+head shape (9 query / 3 KV heads, tied embeddings).
 The batch packs uneven sequences, groups sharing a prompt and a one-token response; max_tokens splits it into
 several micro-batches, some of whose rows are shorter than 2 x cp.
 """
@@ -32,23 +33,31 @@ def launch(args, nproc, timeout=400):
     assert res.returncode == 0, res.stderr[-4000:]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
+def tiny_llama(root: Path, heads: int, kv_heads: int, head_dim: int, tie: bool) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    root = tmp_path_factory.mktemp("cp") / "llama"
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=heads * head_dim, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                      tie_word_embeddings=tie)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(root)
     return root
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoint, tmp_path_factory) -> dict:
+def one_process(checkpoint: Path, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("cp_ref") / "ref.pt"
     launch([out, checkpoint, 1, 1, 1, MAX_TOKENS], nproc=1)
     return torch.load(out)[0][2]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("cp") / "llama", heads=4, kv_heads=2, head_dim=16, tie=False)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, tmp_path_factory) -> dict:
+    return one_process(checkpoint, tmp_path_factory)
 
 
 def close(got: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -69,8 +78,20 @@ def by_dp(everyone, key, dp):
 def test_update_matches_cp1(checkpoint, reference, tmp_path, dp, cp, tp):
     out = tmp_path / "got.pt"
     launch([out, checkpoint, dp, cp, tp, MAX_TOKENS], nproc=dp * cp * tp)
-    everyone = torch.load(out)
-    ref = reference
+    assert_same_update(torch.load(out), reference, dp)
+
+
+def test_smollm2_head_shape_matches_cp1(tmp_path_factory, tmp_path):
+    """SmolLM2-135M's attention shape (9 query heads sharing 3 KV heads, tied embeddings) at cp = 3, the degree
+    its 9 and 3 heads divide (the ring itself needs no head condition)."""
+    ckpt = tiny_llama(tmp_path_factory.mktemp("cp93") / "llama", heads=9, kv_heads=3, head_dim=8, tie=True)
+    ref = one_process(ckpt, tmp_path_factory)
+    out = tmp_path / "got.pt"
+    launch([out, ckpt, 1, 3, 1, MAX_TOKENS], nproc=3)
+    assert_same_update(torch.load(out), ref, 1)
+
+
+def assert_same_update(everyone, ref: dict, dp: int) -> None:
     for key in ("logp", "after"):
         got = by_dp(everyone, key, dp)
         assert got.shape == ref[key].shape and close(got, ref[key]), (key, float((got - ref[key]).abs().max()))

@@ -1,4 +1,5 @@
-"""Tiny runs of `sparserl.trainer.sft`: env examples and a JSONL file, export, finite loss, bad input."""
+"""Tiny runs of `sparserl.trainer.sft`: env examples and a JSONL file, export, finite loss, bad input, and a
+context-parallel run (torchrun, parallel.cp=2) equal to the one-process run."""
 import json
 import math
 import os
@@ -58,3 +59,31 @@ def test_sft_on_a_jsonl_file_and_bad_rows(tiny_checkpoint, tmp_path):
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "row 1" in last and "'response'" in last, res.stderr[-2000:]
     assert "Traceback" not in res.stderr and not never.exists()
+
+
+def test_sft_with_context_parallelism_equals_one_process(tiny_checkpoint, tmp_path):
+    """torchrun with parallel.cp=2: every example split over two ranks (ring attention) trains exactly like one
+    process: the same losses, gradient norms and exported weights, to 1e-5. (A small lr: AdamW divides by
+    sqrt(v), which turns last-bit gradient differences on near-zero entries into lr-sized weight steps.)"""
+    runs = {}
+    for name, nproc in (("one", 1), ("cp2", 2)):
+        out = tmp_path / name
+        args = tiny_args(tiny_checkpoint, out, **{"parallel.cp": nproc, "trainer.total_steps": 3, "actor.lr": 1e-4,
+                                                   "model.activation_checkpointing": False})
+        launch = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0"}
+        res = subprocess.run([sys.executable, *launch, "-m", "sparserl.trainer.sft", *args], env=env,
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "cp=2" in res.stdout
+    for ref, got in zip(runs["one"], runs["cp2"], strict=True):
+        for key in ("actor/loss", "actor/target_prob", "actor/grad_norm", "actor/lr"):
+            assert abs(ref[key] - got[key]) <= 1e-5 * max(abs(ref[key]), 1e-6), (ref["step"], key, ref[key], got[key])
+    assert runs["one"][0]["actor/loss"] > runs["one"][-1]["actor/loss"]  # it learned something
+    from transformers import AutoModelForCausalLM
+
+    one = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "hf").state_dict()
+    cp2 = AutoModelForCausalLM.from_pretrained(tmp_path / "cp2" / "hf").state_dict()
+    for k, v in one.items():
+        assert (cp2[k] - v).abs().max() <= 1e-5 * max(1.0, float(v.abs().max())), k

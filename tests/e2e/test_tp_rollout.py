@@ -5,7 +5,8 @@ process (a rank, a clock, a remote service) would, and writes every call it gets
 the real trainer (torchrun, tiny random Llama, native engine, two turns per episode, evaluation during
 training on the same env) with (dp, tp) = (1, 2) and (2, 2) must log the metrics of a one-process run, whose
 env runs at rank 0 like the owners (the even ranks), up to TP rounding; and only the owners may have called
-the env, with the calls of the one-process run. Were a peer to run its own env loop, its rewards, and so its
+the env, with the calls of the one-process run. The same holds for context parallelism (parallel.cp=2), whose
+run must log every metric of the one-process run to 1e-5. Were a peer to run its own env loop, its rewards, and so its
 advantages, would differ from the owner's, and the update would mix two batches into one gradient. The same
 holds for `python -m sparserl.eval` with tp=2.
 """
@@ -57,7 +58,8 @@ def env_calls(folder: Path) -> dict[str, list[str]]:
     return {p.stem: sorted(p.read_text().splitlines()) for p in sorted(folder.glob("rank*.jsonl"))}
 
 
-def run(tiny_checkpoint, tmp_path: Path, name: str, nproc: int, tp: int) -> tuple[list[dict], dict[str, list[str]]]:
+def run(tiny_checkpoint, tmp_path: Path, name: str, nproc: int, tp: int, cp: int = 1
+        ) -> tuple[list[dict], dict[str, list[str]]]:
     prompts = [{"prompt": [{"role": "user", "content": f"Count to {k}."}], "answer": str(k)} for k in range(1, 5)]
     data = write_data(tmp_path / "train.jsonl", prompts)
     probe = write_data(tmp_path / "probe.jsonl", prompts[:2])
@@ -70,7 +72,7 @@ def run(tiny_checkpoint, tmp_path: Path, name: str, nproc: int, tp: int) -> tupl
             "data.train_path": data, "env.path": env, "trainer.output_dir": out, "trainer.total_steps": 2,
             "trainer.prompts_per_step": 4, "rollout.n": 2, "rollout.max_new_tokens": 6, "rollout.stop_strings": "[e]",
             "actor.lr": 1e-3, "actor.max_tokens_per_device": 1024, "algo.entropy_coef": 0.01, "env.max_turns": 2,
-            "parallel.tp": tp, "trainer.eval_every": 2, "eval.datasets": f"[{{name:probe,path:{probe},env:{env}}}]", "eval.n": 2,
+            "parallel.tp": tp, "parallel.cp": cp, "trainer.eval_every": 2, "eval.datasets": f"[{{name:probe,path:{probe},env:{env}}}]", "eval.n": 2,
             "eval.temperature": 1.0, "eval.max_new_tokens": 4}
     res = trainer([f"{k}={v}" for k, v in args.items()], nproc=nproc, timeout=300, extra_env={"TP_ENV_LOG": str(calls)})
     assert res.returncode == 0, res.stderr[-4000:]
@@ -103,6 +105,36 @@ def test_tp_peers_train_on_the_owners_samples(tiny_checkpoint, one_process, tmp_
         assert keys and set(keys) <= set(got), (keys, sorted(got))
         bad = {k: (ref[k], got[k]) for k in keys if not close(ref[k], got[k])}
         assert not bad, f"step {ref['step']}: dp={dp} tp={tp} differs from one process (one, tp): {bad}"
+
+
+XI_BIN = 3e-3  # one bin of the log-xi histogram the xi quantiles come from (as in tests/e2e/test_golden.py)
+
+
+def is_clock_or_memory(key: str) -> bool:
+    return key.startswith(("perf/", "mem/", "time/")) or key.endswith(("time_s", "_s", "_tok_s"))
+
+
+def test_context_parallel_run_equals_one_process(tiny_checkpoint, one_process, tmp_path):
+    """parallel.cp=2: the two processes are one DP rank whose sequences are split over both (ring attention); the
+    owner rolls out and runs the env, its cp peer trains on the same samples. Every metric of the run, training and
+    evaluation, equals the one-process run's to 1e-5 (the ring sums attention in another order), the xi quantiles
+    to one bin of the histogram they are read from."""
+    ref_metrics, ref_calls = one_process
+    cp_metrics, cp_calls = run(tiny_checkpoint, tmp_path, "cp", nproc=2, tp=1, cp=2)
+    assert list(cp_calls) == ["rank0"], f"a cp peer ran the env itself: {sorted(cp_calls)}"
+    assert cp_calls["rank0"] == ref_calls["rank0"]
+    assert [m["step"] for m in cp_metrics] == [m["step"] for m in ref_metrics] == [0, 1, 2]
+    compared = set()
+    for ref, got in zip(ref_metrics, cp_metrics):
+        keys = [k for k in ref if isinstance(ref[k], (int, float)) and k != "step" and not is_clock_or_memory(k)]
+        compared |= set(keys)
+        missing = set(keys) - set(got)
+        assert not missing, missing
+        # The xi quantiles are read off a histogram of log-xi: a last-bit change may move one across a bin edge.
+        tol = {k: XI_BIN if k.startswith("mismatch/xi_p") else 1e-5 for k in keys}
+        bad = {k: (ref[k], got[k]) for k in keys if abs(ref[k] - got[k]) > tol[k] * max(abs(ref[k]), abs(got[k]), 1.0)}
+        assert not bad, f"step {ref['step']}: cp=2 differs from one process (one, cp): {bad}"
+    assert set(COMPARED) <= compared and any(k.startswith("mismatch/") for k in compared), sorted(compared)
 
 
 def test_standalone_eval_tp_peers_take_the_owners_result(tiny_checkpoint, tmp_path):
