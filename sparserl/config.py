@@ -165,7 +165,8 @@ class ActorConfig:
     warmup_steps: int = opt(0, "optimizer steps of linear warmup")
     min_lr_ratio: float = opt(0.0, "cosine: the final learning rate as a fraction of actor.lr")
     max_grad_norm: float = opt(1.0, "gradients clipped to this global norm")
-    max_tokens_per_device: int = opt(4096, "tokens per packed micro-batch")
+    max_tokens_per_device: int = opt(4096, "tokens per packed micro-batch on each device (with parallel.cp=C a "
+                                           "micro-batch holds C times as many, split over the cp ranks)")
     logprob_chunk_mb: float = opt(64.0, "LM head + log-softmax in row chunks of this many MB of fp32 logits; 0 = "
                                         "all at once")
     updates_per_rollout: int = opt(1, "optimizer steps per rollout (minibatches)")

@@ -103,6 +103,8 @@ class Actor:
             check_model(model.config, cp_size(mesh))
             cp = mesh["cp"]
             self.cp = CPGroup(cp.get_group(), cp.get_local_rank(), cp.size())
+            # A micro-batch row is split over the cp ranks: each holds about max_tokens_per_device of it.
+            self.max_tokens = max_tokens_per_device * self.cp.size
         if activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.config = model.config
