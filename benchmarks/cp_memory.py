@@ -7,11 +7,12 @@ A layout `DPxCP` runs DP x CP processes under torchrun (gloo, CPU), each DP rank
 `L` tokens (a 128-token prompt and an `L - 128`-token response): `1x1` is one process with the whole sequence,
 `1x2` splits it over two cp ranks (ring attention), `2x1` is two processes with a whole sequence each (what two
 processes hold without cp). Every run is a fresh set of processes and does what the trainer does for one update
-of the actor (fp32, the default activation checkpointing unless `--no-ac`, the chunked LM head): the old
-log-probs (no grad), then forward + backward of the token-mean GRPO loss and the AdamW step. Printed per run:
-the update's seconds (forward + backward + step, the slowest rank), each process's peak resident set (VmHWM over
-its whole life: model, optimizer state, activations) and the processes' sum, and whether that sum fits in
-`--budget-gb`. A layout whose sum, scaled linearly from its last run's, would pass the budget is not run at that
+of the actor (fp32, the default activation checkpointing unless `--no-ac`, the chunked LM head): forward +
+backward of the token-mean GRPO loss and the AdamW step (the old log-probs are zeros: their values change neither
+time nor memory). Printed per run: the update's seconds (forward + backward + step, the slowest rank); each
+process's peak resident set during the update (VmHWM reset just before it: parameters, gradients, AdamW state,
+activations), the processes' sum and whether it fits in `--budget-gb`; and the largest peak over a process's whole
+life (loading included). A layout whose sum, scaled linearly from its last run's, would pass the budget is not run at that
 length (memory grows at most linearly with the length here: the attention kernels keep no (length x length)
 buffer), so nothing is driven into the out-of-memory killer. The last table names, per layout, the longest of
 the lengths run whose sum fits.
@@ -39,6 +40,12 @@ def vm_hwm_gb() -> float:
         return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) / 2**20
 
 
+def reset_hwm() -> None:
+    """VmHWM starts again from the current resident set (Linux)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -48,7 +55,7 @@ def worker(args) -> None:
     from sparserl.algo.loss import LossConfig
     from sparserl.parallel import ParallelDims, init_distributed, teardown
     from sparserl.trainer.loss import make_loss_fn
-    from sparserl.utils.memory import tune_malloc
+    from sparserl.utils.memory import release_free_memory, tune_malloc
 
     tune_malloc()  # as the trainer's entry point does
     info = init_distributed("cpu")
@@ -61,15 +68,17 @@ def worker(args) -> None:
     resp = args.length - PROMPT
     vocab = actor.config.vocab_size
     batch = TrainBatch(ids=[torch.randint(0, vocab, (args.length,), generator=g).tolist()], prompt_lens=[PROMPT],
-                       mask=torch.ones(1, resp), advantages=torch.ones(1), logp_old=None, logp_sparse=None)
-    batch.logp_old = actor.logprobs(batch)
+                       mask=torch.ones(1, resp), advantages=torch.ones(1), logp_old=torch.zeros(1, resp))
     loss_fn = make_loss_fn(LossConfig(loss_agg="token", clip_low=0.2, clip_high=0.28))
+    life = vm_hwm_gb()
+    release_free_memory()
+    reset_hwm()
     dist.barrier()
     t0 = time.perf_counter()
     actor.accumulate_gradients(batch, loss_fn, [0], with_entropy=False)
     _, applied = actor._step()
     seconds = time.perf_counter() - t0
-    res = {"seconds": seconds, "peak_gb": vm_hwm_gb(), "applied": applied}
+    res = {"seconds": seconds, "peak_gb": vm_hwm_gb(), "life_gb": max(life, vm_hwm_gb()), "applied": applied}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, res)
     if info.rank == 0:
@@ -116,12 +125,12 @@ def main() -> None:
                 name = f"dp={dp} cp={cp} ({dp * cp} proc)"
                 if (dp, cp) in last and last[(dp, cp)][1] * length / last[(dp, cp)][0] > args.budget_gb:
                     projected = last[(dp, cp)][1] * length / last[(dp, cp)][0]
-                    rows.append([length, name, "-", "-", f"{projected:.1f} (projected)", "no (not run)"])
+                    rows.append([length, name, "-", "-", f"{projected:.1f} (projected)", "no (not run)", "-"])
                     print(f"  {length} tokens, {name}: not run, projected {projected:.1f} GiB", flush=True)
                     continue
                 res = run(args, dp, cp, length, Path(tmp) / f"{dp}x{cp}_{length}.json")
                 if isinstance(res, str):
-                    rows.append([length, name, "-", "-", "-", res])
+                    rows.append([length, name, "-", "-", "-", res, "-"])
                 else:
                     peaks = [r["peak_gb"] for r in res]
                     total = sum(peaks)
@@ -130,10 +139,11 @@ def main() -> None:
                     if ok:
                         fits[(dp, cp)] = length
                     rows.append([length, name, f"{max(r['seconds'] for r in res):.1f}",
-                                 " / ".join(f"{x:.2f}" for x in peaks), f"{total:.2f}", "yes" if ok else "no"])
+                                 " / ".join(f"{x:.2f}" for x in peaks), f"{total:.2f}", "yes" if ok else "no",
+                                 f"{max(r['life_gb'] for r in res):.2f}"])
                 print(f"  {length} tokens, {name}: {rows[-1][2:]}", flush=True)
-    print_table(["tokens / sequence", "layout", "update s", "peak GiB per process", "sum GiB",
-                 f"fits {args.budget_gb:g} GiB"], rows, title="One actor update on one long sequence per DP rank")
+    print_table(["tokens / sequence", "layout", "update s", "update peak GiB per process", "sum GiB",
+                 f"fits {args.budget_gb:g} GiB", "life peak GiB"], rows, title="One actor update on one long sequence per DP rank")
     print_table(["layout", f"longest length run that fits {args.budget_gb:g} GiB"],
                 [[f"dp={dp} cp={cp}", "-" if v is None else v] for (dp, cp), v in fits.items()])
 
