@@ -135,12 +135,20 @@ def train_batch(examples: list[Example]) -> TrainBatch:
                       advantages=torch.zeros(len(examples)))
 
 
-def nll_loss(logp: torch.Tensor, entropy, batch: TrainBatch, idx: torch.Tensor, norm: Normalizer):
+class NLLLoss:
     """The actor's loss function for SFT: summed -log p of the targets over the batch's target count (all DP
-    ranks), so the micro-batches' gradients add up to the mean cross-entropy's."""
-    mask = batch.mask[idx, : logp.shape[1]]
-    nll = -(logp * mask).sum()
-    return nll / norm.tokens, {"nll_sum": float(nll.detach()), "p_sum": float((logp.detach().exp() * mask).sum())}
+    ranks), so the micro-batches' gradients add up to the mean cross-entropy's. Keeps this rank's sums of -log p
+    and p over the micro-batches it saw."""
+
+    def __init__(self) -> None:
+        self.nll = self.p = 0.0
+
+    def __call__(self, logp: torch.Tensor, entropy, batch: TrainBatch, idx: torch.Tensor, norm: Normalizer):
+        mask = batch.mask[idx, : logp.shape[1]]
+        nll = -(logp * mask).sum()
+        self.nll += float(nll.detach())
+        self.p += float((logp.detach().exp() * mask).sum())
+        return nll / norm.tokens, {}
 
 
 def train(cfg: Config) -> None:
@@ -199,10 +207,11 @@ def train_step(actor: Actor, batch: TrainBatch) -> dict[str, float]:
     (the actor's), loss = mean cross-entropy over every DP rank's target tokens."""
     lr = actor.scheduler.get_last_lr()[0]
     index = list(range(len(batch)))
-    metrics = actor.accumulate_gradients(batch, nll_loss, index, with_entropy=False)
+    loss = NLLLoss()
+    actor.accumulate_gradients(batch, loss, index, with_entropy=False)
     grad_norm, _ = actor._step()
-    sums = torch.tensor([metrics.get("nll_sum", 0.0), float(batch.mask.sum()), metrics.get("p_sum", 0.0),
-                         float(sum(batch.lengths()))], dtype=torch.float64, device=actor.device)
+    sums = torch.tensor([loss.nll, float(batch.mask.sum()), loss.p, float(sum(batch.lengths()))],
+                        dtype=torch.float64, device=actor.device)
     all_reduce_sum(sums, actor.dp_group)
     nll, targets, p_sum, tokens = sums.tolist()
     # actor/target_prob: the target tokens' mean probability before the step (a smooth token accuracy).

@@ -69,7 +69,8 @@ def test_sft_with_context_parallelism_equals_one_process(tiny_checkpoint, tmp_pa
     for name, nproc in (("one", 1), ("cp2", 2)):
         out = tmp_path / name
         args = tiny_args(tiny_checkpoint, out, **{"parallel.cp": nproc, "trainer.total_steps": 3, "actor.lr": 1e-4,
-                                                   "model.activation_checkpointing": False})
+                                                   "model.activation_checkpointing": False,
+                                                   "trainer.prompts_per_step": 16, "actor.max_tokens_per_device": 64})
         launch = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0"}
         res = subprocess.run([sys.executable, *launch, "-m", "sparserl.trainer.sft", *args], env=env,
@@ -81,9 +82,33 @@ def test_sft_with_context_parallelism_equals_one_process(tiny_checkpoint, tmp_pa
         for key in ("actor/loss", "actor/target_prob", "actor/grad_norm", "actor/lr"):
             assert abs(ref[key] - got[key]) <= 1e-5 * max(abs(ref[key]), 1e-6), (ref["step"], key, ref[key], got[key])
     assert runs["one"][0]["actor/loss"] > runs["one"][-1]["actor/loss"]  # it learned something
+    # Step 1 (every example, several micro-batches) is the initial model's mean cross-entropy over target tokens.
+    assert abs(runs["one"][0]["actor/loss"] - mean_target_ce(tiny_checkpoint, args)) < 1e-5
     from transformers import AutoModelForCausalLM
 
     one = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "hf").state_dict()
     cp2 = AutoModelForCausalLM.from_pretrained(tmp_path / "cp2" / "hf").state_dict()
     for k, v in one.items():
         assert (cp2[k] - v).abs().max() <= 1e-5 * max(1.0, float(v.abs().max())), k
+
+
+def mean_target_ce(ckpt, args) -> float:
+    """The mean cross-entropy over every example's target tokens under `ckpt`, by a plain Hugging Face forward."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sparserl.config_load import load_config
+    from sparserl.trainer.sft import read_examples, tokenize_examples
+
+    cfg = load_config(args)
+    records, source = read_examples(cfg)
+    examples = tokenize_examples(cfg, records, source, AutoTokenizer.from_pretrained(ckpt))
+    model = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for e in examples:
+            logits = model(torch.tensor([e.ids])).logits[0, e.prompt_len - 1 : -1]
+            total += float(F.cross_entropy(logits.float(), torch.tensor(e.ids[e.prompt_len :]), reduction="sum"))
+            count += len(e.ids) - e.prompt_len
+    return total / count
