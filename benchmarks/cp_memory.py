@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -31,19 +30,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine, print_table  # noqa: E402
+from benchmarks.host_memory import reset_hwm, vm_hwm_bytes  # noqa: E402
 
 PROMPT = 128
 
 
 def vm_hwm_gb() -> float:
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) / 2**20
-
-
-def reset_hwm() -> None:
-    """VmHWM starts again from the current resident set (Linux)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    return vm_hwm_bytes() / 2**30
 
 
 def worker(args) -> None:
