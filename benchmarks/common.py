@@ -69,3 +69,43 @@ def matmul_floor(model, rows: list[int], head_rows: list[int], repeats: int = 5)
                 torch.mm(inputs[(w.shape[1], m)], w.t())
             best = min(best, time.perf_counter() - t0)
     return best
+
+
+def train_matmul_floor(model, micro_batches: list[tuple[int, int]], chunk_rows: int, recompute: bool,
+                       repeats: int = 3) -> float:
+    """Seconds for the GEMMs of a forward+backward over packed micro-batches, back to back and nothing else.
+    `micro_batches` holds (packed tokens, rows that predict a response token) per micro-batch. Each linear layer
+    but the LM head runs at M = tokens: its forward (twice with `recompute`, activation checkpointing), then
+    dX = dY W and dW = dY^T X. The LM head runs on the predicting rows in chunks of `chunk_rows`, each chunk's
+    forward twice (the actor's head is checkpointed per chunk), dX and dW. The best of `repeats` runs."""
+    head = model.get_output_embeddings()
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    plan = []
+    for tokens, head_rows in micro_batches:
+        for w in linears:
+            plan += [("fwd", w, tokens)] * (2 if recompute else 1) + [("dx", w, tokens), ("dw", w, tokens)]
+        for start in range(0, head_rows, chunk_rows):
+            rows = min(chunk_rows, head_rows - start)
+            plan += [("fwd", head.weight, rows)] * 2 + [("dx", head.weight, rows), ("dw", head.weight, rows)]
+    inputs: dict[tuple[int, int], torch.Tensor] = {}
+
+    def rand(m: int, n: int, w: torch.Tensor) -> torch.Tensor:
+        if (m, n) not in inputs:
+            inputs[(m, n)] = torch.randn(m, n, dtype=w.dtype, device=w.device)
+        return inputs[(m, n)]
+
+    for kind, w, m in plan:  # every input made before the clock starts
+        rand(m, w.shape[1], w), rand(m, w.shape[0], w)
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(repeats + 1):  # the first run warms the BLAS up
+            t0 = time.perf_counter()
+            for kind, w, m in plan:
+                if kind == "fwd":
+                    torch.mm(rand(m, w.shape[1], w), w.t())
+                elif kind == "dx":
+                    torch.mm(rand(m, w.shape[0], w), w)
+                else:
+                    torch.mm(rand(m, w.shape[0], w).t(), rand(m, w.shape[1], w))
+            best = min(best, time.perf_counter() - t0)
+    return best

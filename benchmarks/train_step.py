@@ -4,6 +4,7 @@ process, and the training throughput of packed vs padded micro-batches on one ro
     python benchmarks/train_step.py --nproc 2 --steps 3 [key=value overrides ...]
     python benchmarks/train_step.py --workload mawps --nproc 1 --steps 3 --trl --skip-packing
     python benchmarks/train_step.py --packing-only
+    python benchmarks/train_step.py --update-floor
 
 Part 1 runs `sparserl.trainer.grpo` under torchrun for `--steps` steps in a temporary folder (default preset
 unless overridden) and prints every step's timings and memory: `mem/peak_gb` is rank 0's peak RSS so far (CPU)
@@ -23,6 +24,13 @@ a policy-gradient loss over all of its sequences, in one process, two ways on th
   to the longest one, `attention_mask`, full logits; the count is the most that fit `--max-tokens` at the
   rollout's longest sequence.
 Tokens/s counts real tokens only (prompt + response), best of `--repeats`.
+
+Part 3 (`--update-floor`, run alone) times forward+backward of one comparison-workload batch (the first 16 MAWPS
+prompts with the workload's system prompt x 4 responses of 128 tokens) split and packed as the actor does it
+(`actor.max_tokens_per_device` micro-batches, shared prompts, the chunked log-prob head, entropy as a metric),
+with activation checkpointing on (the default) and off, against the matmul floor of the same micro-batches
+(`benchmarks/common.py::train_matmul_floor`: each linear layer's forward, recomputed forward, dX and dW GEMMs at
+the micro-batches' token counts, timed back to back in the same run). The optimizer step is not included.
 """
 from __future__ import annotations
 
@@ -38,7 +46,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import EVAL_DATA, gsm8k_prompts, machine, print_table  # noqa: E402
+from benchmarks.common import EVAL_DATA, gsm8k_prompts, machine, print_table, train_matmul_floor  # noqa: E402
 from sparserl.utils import precision  # noqa: E402
 
 KEYS = ["perf/step_s", "perf/rollout_s", "perf/old_logprobs_s", "perf/ref_logprobs_s", "perf/update_s", "perf/weight_sync_s",
@@ -196,6 +204,71 @@ def packing_throughput(args) -> None:
                 title="packed vs padded, same rollout")
 
 
+def workload_batch(tokenizer, prompts: int = 16, n: int = 4, new_tokens: int = 128) -> list[tuple[list[int], int]]:
+    """(prompt + response ids, prompt length) of one comparison-workload batch at its longest: every response
+    `new_tokens` long (token values do not change the compute; a fixed generator picks them)."""
+    import json
+
+    system = "Solve the problem and put your final answer within \\boxed{}."
+    rows = [json.loads(line) for line in open(EVAL_DATA / "mawps.jsonl")][:prompts]
+    gen = torch.Generator().manual_seed(0)
+    seqs = []
+    for r in rows:
+        chat = [{"role": "system", "content": system}, {"role": "user", "content": r["input"]}]
+        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for _ in range(n):
+            resp = torch.randint(100, len(tokenizer) - 100, (new_tokens,), generator=gen).tolist()
+            seqs.append((prompt + resp, len(prompt)))
+    return seqs
+
+
+def update_floor(args) -> None:
+    import contextlib
+
+    from sparserl.actor.hf import load_model, load_tokenizer
+    from sparserl.actor.logprobs import DEFAULT_CHUNK_MB, PackedSeqs, _layout, chunk_rows, packed_logprobs
+    from sparserl.data.packing import split_microbatches
+
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model, torch.float32)
+    model.train()
+    seqs = workload_batch(tokenizer)
+    mbs = [PackedSeqs([seqs[i][0] for i in mb], [seqs[i][1] for i in mb])
+           for mb in split_microbatches([len(s) for s, _ in seqs], args.max_tokens)]
+    shapes = []
+    for mb in mbs:
+        flat, _, keep, _, _ = _layout(mb, True)
+        shapes.append((len(flat), len(keep)))
+
+    def fwd_bwd() -> float:
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        for mb in mbs:
+            with contextlib.ExitStack() as hold:
+                logp, _ = packed_logprobs(model, mb, torch.device("cpu"), with_entropy=True, entropy_grad=False,
+                                          hold_context=hold)
+                (-logp.sum() / len(seqs)).backward()
+        return time.perf_counter() - t0
+
+    rows = []
+    for ac in (True, False):
+        if ac:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        seconds = min(fwd_bwd() for _ in range(args.repeats + 1))  # the first pass warms up
+        floor = train_matmul_floor(model, shapes, chunk_rows(model.get_output_embeddings().weight.shape[0],
+                                                             DEFAULT_CHUNK_MB), recompute=ac, repeats=args.repeats)
+        rows.append(["on" if ac else "off", len(mbs), sum(t for t, _ in shapes), f"{seconds:.2f}", f"{floor:.2f}",
+                     f"{floor / seconds:.0%}"])
+    print(f"machine: {machine()}\nbatch: {len(seqs)} sequences (16 MAWPS prompts x 4, 128 response tokens), "
+          f"micro-batch bound {args.max_tokens} tokens, packed tokens per micro-batch {[t for t, _ in shapes]}; "
+          f"{args.model} fp32, forward+backward, best of {args.repeats} after a warm-up pass\n")
+    print_table(["activation ckpt", "micro-batches", "packed tokens", "fwd+bwd s", "matmul floor s", "of floor"], rows,
+                title="update forward+backward against its matmul floor")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=2)
@@ -204,6 +277,7 @@ def main() -> None:
     ap.add_argument("--trl", action="store_true", help="also run the workload in TRL's GRPOTrainer (needs trl installed)")
     ap.add_argument("--packing-only", action="store_true", help="skip part 1 (the trainer run)")
     ap.add_argument("--skip-packing", action="store_true", help="skip part 2 (packed vs padded)")
+    ap.add_argument("--update-floor", action="store_true", help="run part 3 alone (forward+backward vs its matmul floor)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--pack-prompts", type=int, default=16)
     ap.add_argument("--pack-n", type=int, default=4)
@@ -212,6 +286,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if args.update_floor:
+        return update_floor(args)
     if not args.packing_only:
         ours = step_timings(args)
         print()

@@ -286,3 +286,46 @@ def test_tune_malloc_returns_large_frees_to_the_os(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     grown_mb = float(res.stdout.strip().splitlines()[-1])
     assert grown_mb < 4, grown_mb  # each 8 MB block unmapped when freed
+
+
+def test_tune_malloc_gives_tensors_huge_pages_after_the_entry_points_imports():
+    """The entry points import torch, transformers and the trainer before `run_main` calls `tune_malloc`; torch still
+    takes the huge-page setting from there: the mappings of tensors of 2 MB or more are then madvised for huge pages
+    (`hg` in their /proc/self/smaps VmFlags), smaller ones are not, and `SPARSERL_MALLOC_TUNE=0` leaves torch's
+    allocator as it was."""
+    import os
+    import subprocess
+    import sys
+
+    from sparserl.utils.memory import _huge_pages_offered
+
+    if not _huge_pages_offered():
+        pytest.skip("the kernel offers no transparent huge pages")
+    script = (
+        "import sparserl.trainer.grpo, sparserl.trainer.sft, sparserl.eval.__main__\n"
+        "import torch\n"
+        "from sparserl.utils.memory import tune_malloc\n"
+        "print(tune_malloc())\n"
+        "def huge(t):\n"
+        "    ptr, flags, inside = t.data_ptr(), None, False\n"
+        "    for line in open('/proc/self/smaps'):\n"
+        "        head = line.split()[0]\n"
+        "        if '-' in head and not head.endswith(':'):\n"
+        "            lo, hi = (int(x, 16) for x in head.split('-'))\n"
+        "            inside = lo <= ptr < hi\n"
+        "        elif inside and head == 'VmFlags:':\n"
+        "            return 'hg' in line.split()[1:]\n"
+        "    return False\n"
+        "big = [torch.ones(3 << 20, dtype=torch.uint8) for _ in range(4)]\n"
+        "small = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(4)]\n"
+        "print(sum(map(huge, big)), sum(map(huge, small)))\n"
+    )
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("MALLOC_MMAP_THRESHOLD_", "SPARSERL_MALLOC_TUNE", "THP_MEM_ALLOC_ENABLE")}
+    out = {}
+    for tune in ("1", "0"):
+        res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                             env={**base, "SPARSERL_MALLOC_TUNE": tune})
+        assert res.returncode == 0, res.stderr[-2000:]
+        out[tune] = res.stdout.split()[-3:]
+    assert out == {"1": ["True", "4", "0"], "0": ["False", "0", "0"]}, out

@@ -1,9 +1,9 @@
 """The native rollout engine: continuous batching over a KV slot pool, on the Hugging Face model's modules.
 
 `generate` admits requests while their worst-case KV need fits the pool, runs one packed forward per step
-(prefill of new sequences and one decode token of every running one), samples with per-sequence
-generators, and retires sequences on a stop token, a stop string or `max_new_tokens`, freeing their slots
-for the next waiting ones. Left out on purpose: an async/streaming API (the trainer wants whole batches),
+(prefill of new sequences and one decode token of every running one), samples with the keyed draw shared with
+SGLang (engines/draw.py), and retires sequences on a stop token, a stop string or `max_new_tokens`, freeing their
+slots for the next waiting ones. Left out on purpose: an async/streaming API (the trainer wants whole batches),
 prefix caching across prompts (the `n` samples of one prompt do share its prefill), speculative decoding.
 With `quantization` the linear layers hold int8 / fp8 weights, re-quantized at every weight update
 (`quantize.py`); `rescore_seqs` re-scores a few sequences densely to split the mismatch (`rescore.py`).
