@@ -52,23 +52,45 @@ def print_table(headers: list[str], rows: list[list], title: str | None = None) 
     return text
 
 
+def _linear_weights(model) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(the LM head's weight, every other linear layer's weight)."""
+    head = model.get_output_embeddings()
+    return head.weight, [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+
+
+def _best_mm_seconds(pairs: list[tuple[torch.Tensor, torch.Tensor]], repeats: int) -> float:
+    """The best of `repeats` runs of `torch.mm(a, b)` over `pairs`, back to back, after one warm-up run."""
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first run warms the BLAS up
+            t0 = time.perf_counter()
+            for a, b in pairs:
+                torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _random_inputs(like: torch.Tensor):
+    """A maker of (m, n) random inputs in `like`'s dtype and device, one tensor per shape, made before any clock."""
+    made: dict[tuple[int, int], torch.Tensor] = {}
+
+    def rand(m: int, n: int) -> torch.Tensor:
+        if (m, n) not in made:
+            made[(m, n)] = torch.randn(m, n, dtype=like.dtype, device=like.device)
+        return made[(m, n)]
+
+    return rand
+
+
 def matmul_floor(model, rows: list[int], head_rows: list[int], repeats: int = 5) -> float:
     """Seconds for the model's own linear layers' GEMMs, back to back and nothing else (no attention, no norms, no
     sampling): every layer but the LM head once per entry of `rows` (its M), the LM head once per entry of
     `head_rows`. The best of `repeats` runs, each on inputs made before the clock starts. The floor a forward of
     that many rows cannot beat with these weights and this BLAS."""
-    head = model.get_output_embeddings()
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
-    plan = [(m.weight, m_rows) for m_rows in rows for m in linears] + [(head.weight, m) for m in head_rows]
-    inputs = {(w.shape[1], m): torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device) for w, m in plan}
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(repeats + 1):  # the first run warms the BLAS up
-            t0 = time.perf_counter()
-            for w, m in plan:
-                torch.mm(inputs[(w.shape[1], m)], w.t())
-            best = min(best, time.perf_counter() - t0)
-    return best
+    head, linears = _linear_weights(model)
+    rand = _random_inputs(head)
+    plan = [(w, m) for m in rows for w in linears] + [(head, m) for m in head_rows]
+    return _best_mm_seconds([(rand(m, w.shape[1]), w.t()) for w, m in plan], repeats)
 
 
 def train_matmul_floor(model, micro_batches: list[tuple[int, int]], chunk_rows: int, recompute: bool,
@@ -78,34 +100,17 @@ def train_matmul_floor(model, micro_batches: list[tuple[int, int]], chunk_rows: 
     but the LM head runs at M = tokens: its forward (twice with `recompute`, activation checkpointing), then
     dX = dY W and dW = dY^T X. The LM head runs on the predicting rows in chunks of `chunk_rows`, each chunk's
     forward twice (the actor's head is checkpointed per chunk), dX and dW. The best of `repeats` runs."""
-    head = model.get_output_embeddings()
-    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
-    plan = []
+    head, linears = _linear_weights(model)
+    rand = _random_inputs(head)
+
+    def gemms(w: torch.Tensor, m: int, forwards: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        x, dy = rand(m, w.shape[1]), rand(m, w.shape[0])
+        return [(x, w.t())] * forwards + [(dy, w), (dy.t(), x)]
+
+    pairs = []
     for tokens, head_rows in micro_batches:
         for w in linears:
-            plan += [("fwd", w, tokens)] * (2 if recompute else 1) + [("dx", w, tokens), ("dw", w, tokens)]
+            pairs += gemms(w, tokens, 2 if recompute else 1)
         for start in range(0, head_rows, chunk_rows):
-            rows = min(chunk_rows, head_rows - start)
-            plan += [("fwd", head.weight, rows)] * 2 + [("dx", head.weight, rows), ("dw", head.weight, rows)]
-    inputs: dict[tuple[int, int], torch.Tensor] = {}
-
-    def rand(m: int, n: int, w: torch.Tensor) -> torch.Tensor:
-        if (m, n) not in inputs:
-            inputs[(m, n)] = torch.randn(m, n, dtype=w.dtype, device=w.device)
-        return inputs[(m, n)]
-
-    for kind, w, m in plan:  # every input made before the clock starts
-        rand(m, w.shape[1], w), rand(m, w.shape[0], w)
-    best = float("inf")
-    with torch.no_grad():
-        for _ in range(repeats + 1):  # the first run warms the BLAS up
-            t0 = time.perf_counter()
-            for kind, w, m in plan:
-                if kind == "fwd":
-                    torch.mm(rand(m, w.shape[1], w), w.t())
-                elif kind == "dx":
-                    torch.mm(rand(m, w.shape[0], w), w)
-                else:
-                    torch.mm(rand(m, w.shape[0], w).t(), rand(m, w.shape[1], w))
-            best = min(best, time.perf_counter() - t0)
-    return best
+            pairs += gemms(head, min(chunk_rows, head_rows - start), 2)
+    return _best_mm_seconds(pairs, repeats)

@@ -35,6 +35,7 @@ the micro-batches' token counts, timed back to back in the same run). The optimi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -54,10 +55,11 @@ KEYS = ["perf/step_s", "perf/rollout_s", "perf/old_logprobs_s", "perf/ref_logpro
         "response/len_mean", "mem/peak_gb", "mem/peak_gb_max_rank"]
 PHASES = ["rollout", "old_logprobs", "ref_logprobs", "update", "weight_sync"]
 
+MAWPS_SYSTEM = "Solve the problem and put your final answer within \\boxed{}."
 WORKLOADS = {
     "mawps": ["data.train_path=" + str(EVAL_DATA / "mawps.jsonl"), "data.prompt_key=input",
               "data.answer_key=target", "env.path=envs/math.py",
-              "data.system_prompt='Solve the problem and put your final answer within \\boxed{}.'",
+              f"data.system_prompt='{MAWPS_SYSTEM}'",
               "rollout.n=4", "trainer.prompts_per_step=16", "rollout.max_new_tokens=128", "algo.adv_estimator=drgrpo",
               "actor.lr=1e-6", "model.compute_dtype=float32", "rollout.dtype=float32"],
 }
@@ -207,14 +209,11 @@ def packing_throughput(args) -> None:
 def workload_batch(tokenizer, prompts: int = 16, n: int = 4, new_tokens: int = 128) -> list[tuple[list[int], int]]:
     """(prompt + response ids, prompt length) of one comparison-workload batch at its longest: every response
     `new_tokens` long (token values do not change the compute; a fixed generator picks them)."""
-    import json
-
-    system = "Solve the problem and put your final answer within \\boxed{}."
     rows = [json.loads(line) for line in open(EVAL_DATA / "mawps.jsonl")][:prompts]
     gen = torch.Generator().manual_seed(0)
     seqs = []
     for r in rows:
-        chat = [{"role": "system", "content": system}, {"role": "user", "content": r["input"]}]
+        chat = [{"role": "system", "content": MAWPS_SYSTEM}, {"role": "user", "content": r["input"]}]
         text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
         for _ in range(n):
@@ -224,8 +223,6 @@ def workload_batch(tokenizer, prompts: int = 16, n: int = 4, new_tokens: int = 1
 
 
 def update_floor(args) -> None:
-    import contextlib
-
     from sparserl.actor.hf import load_model, load_tokenizer
     from sparserl.actor.logprobs import DEFAULT_CHUNK_MB, PackedSeqs, _layout, chunk_rows, packed_logprobs
     from sparserl.data.packing import split_microbatches

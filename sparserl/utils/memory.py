@@ -23,9 +23,9 @@ The price of a fixed threshold is a page fault per 4 KiB page each time such a t
 or more is `madvise(MADV_HUGEPAGE)`d, one fault per 2 MB; 2.4 ms on the same op) where the kernel offers them
 (`/sys/kernel/mm/transparent_hugepage/enabled` not `never`). torch reads the variable at its first CPU allocation;
 the entry points call `tune_malloc` in `run_main`, after imports that allocate none (tests/unit/test_utils.py
-checks that the setting takes). Measured on the
-comparison workload (benchmarks/train_step.py `--workload mawps`, one process): 102 -> 87 s per step (update 73 ->
-60 s), the peak unchanged (4.12 vs 4.10 GB); glibc's own dynamic threshold was as fast but peaked at 5.66 GB.
+checks that the setting takes). Measured on the comparison workload (benchmarks/train_step.py `--workload mawps`,
+one process): 102 -> 87 s per step (update 73 -> 60 s), the peak unchanged (4.12 vs 4.10 GB); glibc's own dynamic
+threshold was as fast but peaked at 5.66 GB.
 The native engine's decode steps were not measurably faster with the heap (a 32 MiB threshold while it
 generates): at batch 64 their tensors are mostly below 1 MiB, and the step is its GEMMs and its attention.
 The module imports torch only where CUDA is asked about, so the entry points' start-up (`tune_malloc`) and their
