@@ -1,0 +1,421 @@
+"""Does a sparse-rollout configuration keep the dense gain? Dense, naive sparse, Sparse-RL, mismatch-tail budget
+control and the dense rescue, at two KV settings, several seeds, one held-out evaluation.
+
+    python benchmarks/replicate_gain.py                          # everything not yet recorded (see "Across sessions")
+    python benchmarks/replicate_gain.py --settings loose         # one KV setting (dense runs come first either way)
+    python benchmarks/replicate_gain.py --max-minutes 90         # start no new run after 90 minutes
+    python benchmarks/replicate_gain.py --report-only            # the tables and plots from the records alone
+    python benchmarks/replicate_gain.py --quick --out /tmp/g     # smoke run: tiny sizes, one seed
+
+The task is envs/long_chain.py at 12 links: a ~127-token prompt lists 12 word links in random order and the
+response walks the chain, one numbered line per link (~78 tokens); the reward is the fraction of the chain
+followed before the first mistake. A 4-step supervised warm-start of SmolLM2-135M-Instruct scores ~0.6 on it,
+dense, at temperature 1: room to gain, and reward on every sample.
+
+KV settings (`--settings NAME=BUDGET ...`, R-KV, divide_length 16, compress_prompt on, so the prompt is compressed
+too): `loose` = budget 128, where the warm-start's compressed sampler keeps >= 80% of its dense reward (the
+paper's regime), and `tight` = budget 96. The configurations, all from the same warm-start with the same seeds,
+prompts, batch and lr:
+
+- `dense`: `+preset=dense`, shared by both settings;
+- `naive_sparse`: `+preset=naive_sparse` (compressed rollouts trained as if on-policy);
+- `sparse_rl`: `+preset=sparse_rl` (rejection + importance reweighting, the reference recipe);
+- `tail`: Sparse-RL with `rollout.kv.budget=auto`, the controller between the setting's budget (floor) and 1.5x
+  it (ceiling), on the 5th percentile of xi (target 0.86);
+- `rescue`: Sparse-RL with `algo.correction.rescue=dense`, the rejected sequences rolled out again densely.
+
+dense and naive_sparse also log what Sparse-RL's filters would reject (`algo.correction.mode=measure`).
+
+Each run is evaluated on the same held-out prompts, dense, temperature 1, one shared sampling seed
+(`python -m sparserl.eval`); the score is the mean reward. The summary reports, per setting and configuration,
+the held-out gain over the warm-start (mean ± standard error over seeds, and the standard error of per-prompt
+gains averaged over seeds), the share of dense's mean gain kept, KV kept per sequence (`kv/retained_frac`),
+the rejected share, the rescued share, and minutes per run; every run on its own line; reward and diagnostic
+curves with seed bands (OUT/<setting>_reward.png, OUT/<setting>_diagnostics.png).
+
+Across sessions: every finished run leaves a record, `--record/<run>.json` (default
+docs/replications/sparse_gain/, committed): its GRPO and evaluation commands, its per-step metrics, its held-out
+scores per prompt and its wall time. A run whose record holds the same commands is not run again, so the
+experiment continues where the last session stopped; the final policy and checkpoints are deleted once the record
+is written (`--keep-policies` keeps them). The warm-start is rebuilt (seeded, ~2 min) when a run needs it, and its
+held-out scores are checked against the recorded ones: a different machine can round a warm-start differently,
+and the script then says so instead of mixing the two.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from benchmarks.common import machine, print_table  # noqa: E402
+from benchmarks.replicate_long import MEASURE, curves, mean_std, plot_bands, write_data  # noqa: E402
+from benchmarks.replicate_sparse_rl import (add_kv_scoring_args, eval_command, eval_set_name, fmt, grpo_command,  # noqa: E402
+                                            read_metrics, run, run_grpo, sft_command)
+
+CONFIGS = ("dense", "naive_sparse", "sparse_rl", "tail", "rescue")
+SETTINGS = ("loose=128", "tight=96")
+KEPT = ("reward/mean", "kv/retained_frac", "kv/budget", "correction/rejected_seq_frac", "rescue/frac",
+        "rescue/rejected_before_frac", "rescue/before_xi_p05", "mismatch/kl", "mismatch/xi_p05", "mismatch/xi_p01",
+        "mismatch/low_xi_pos_adv_frac", "actor/entropy", "actor/grad_norm", "response/len_mean", "perf/step_s",
+        "perf/rollout_s", "perf/update_s")
+DIAGNOSTICS = ("kv/retained_frac", "kv/budget", "correction/rejected_seq_frac", "mismatch/xi_p05", "mismatch/kl",
+               "actor/grad_norm", "response/len_mean", "perf/step_s")
+TAIL_CEILING = 1.5  # the tail controller's ceiling, times the setting's budget (its floor)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="working folder: data, warm-start, runs, evaluations, plots, summary "
+                    "(default outputs/sparse_gain, or outputs/sparse_gain_quick with --quick)")
+    ap.add_argument("--record", default=None, help="folder of the per-run records (default docs/replications/sparse_gain; "
+                    "with --quick OUT/records)")
+    ap.add_argument("--settings", nargs="+", default=None, metavar="NAME[=BUDGET]",
+                    help=f"KV settings to run, NAME=BUDGET, or a name of the defaults {' '.join(SETTINGS)}")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="trainer.seed of each repetition (default 0 1 2)")
+    ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    ap.add_argument("--quick", action="store_true", help="smoke sizes: 3-link chains, 2 steps, tiny batches, one seed")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="model.path of the warm-start")
+    ap.add_argument("--data-seed", type=int, default=0, help="seed of the data files and of the warm-start")
+    ap.add_argument("--links", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=8, help="GRPO steps per run")
+    ap.add_argument("--prompts-per-step", type=int, default=4)
+    ap.add_argument("--n", type=int, default=8, help="rollout.n")
+    ap.add_argument("--max-new-tokens", type=int, default=120)
+    ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--divide-length", type=int, default=16)
+    ap.add_argument("--precision", default="bfloat16", help="model.compute_dtype and rollout.dtype of the GRPO runs, "
+                    "pinned so that records made on different CPUs agree (auto would pick by CPU)")
+    add_kv_scoring_args(ap)
+    ap.set_defaults(kv_variant="reference", kv_share="layer")  # what the presets select
+    ap.add_argument("--sft-steps", type=int, default=4)
+    ap.add_argument("--sft-batch", type=int, default=8)
+    ap.add_argument("--sft-lr", type=float, default=1e-4)
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--eval-prompts", type=int, default=128)
+    ap.add_argument("--eval-n", type=int, default=1)
+    ap.add_argument("--max-minutes", type=float, default=None, help="start no new run after this many minutes")
+    ap.add_argument("--keep-policies", action="store_true", help="keep each run's final policy and checkpoints")
+    ap.add_argument("--report-only", action="store_true", help="run nothing: tables and plots from the records")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands and stop")
+    ap.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for the GRPO runs")
+    args = ap.parse_args(argv)
+    args.env, args.compress_prompt, args.keep_checkpoints = "envs/long_chain.py", True, args.keep_policies
+    if args.quick:
+        args.links, args.steps, args.prompts_per_step, args.n, args.max_new_tokens = 3, 2, 2, 2, 24
+        args.sft_steps, args.sft_batch, args.divide_length = 1, 2, 8
+        args.eval_prompts = min(args.eval_prompts, 2)
+        args.seeds = args.seeds or [0]
+    defaults = ["loose=40", "tight=24"] if args.quick else list(SETTINGS)
+    args.seeds = args.seeds or [0, 1, 2]
+    args.settings = parse_settings(ap, args.settings or defaults, defaults)
+    # Dense ignores the KV keys; its command carries the first default setting's, whichever settings run, so that
+    # its record serves every setting.
+    args.dense_budget = next(iter(parse_settings(ap, defaults[:1], defaults).values()))
+    args.seed = args.data_seed  # what the shared helpers read for the warm-start and the evaluation seed
+    args.out = args.out or "outputs/sparse_gain" + ("_quick" if args.quick else "")
+    args.record = args.record or (str(Path(args.out) / "records") if args.quick else "docs/replications/sparse_gain")
+    if len(set(args.seeds)) != len(args.seeds):
+        ap.error(f"--seeds must be distinct, got {args.seeds}")
+    return args
+
+
+def parse_settings(ap: argparse.ArgumentParser, items: list[str], defaults: list[str]) -> dict[str, int]:
+    known = dict(s.split("=") for s in defaults)
+    out = {}
+    for item in items:
+        name, _, budget = item.partition("=")
+        budget = budget or known.get(name)
+        if not name.isidentifier() or budget is None or not budget.isdigit() or int(budget) <= 8:
+            ap.error(f"--settings: {item!r} is not NAME=BUDGET with a budget above the R-KV window (8), "
+                     f"nor one of {' '.join(defaults)}")
+        out[name] = int(budget)
+    return out
+
+
+# ----------------------------------------------------------------------------- the runs
+
+
+def with_(args, **kw) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **kw})
+
+
+def config_overrides(config: str, budget: int) -> tuple[str, tuple[str, ...]]:
+    """(preset, extra overrides) of a configuration at a KV setting's budget."""
+    if config in ("dense", "naive_sparse"):
+        return config, MEASURE
+    if config == "sparse_rl":
+        return "sparse_rl", ()
+    if config == "tail":
+        ceiling = int(math.ceil(budget * TAIL_CEILING / 8) * 8)
+        return "sparse_rl", ("rollout.kv.budget=auto", f"rollout.kv.control.floor={budget}",
+                             f"rollout.kv.control.ceiling={ceiling}")
+    if config == "rescue":
+        return "sparse_rl", ("algo.correction.rescue=dense",)
+    raise ValueError(config)
+
+
+def plan(args, out: Path) -> list[dict]:
+    """Every run in the order it is run: the dense seeds (one run per seed serves every setting), then each
+    setting's seeds x configurations."""
+    runs = []
+    if "dense" in args.configs:
+        for s in args.seeds:
+            runs.append(dict(name=f"dense_seed{s}", setting=None, config="dense", seed=s, budget=args.dense_budget))
+    for setting, budget in args.settings.items():
+        for s in args.seeds:
+            for c in args.configs:
+                if c != "dense":
+                    runs.append(dict(name=f"{setting}_{c}_seed{s}", setting=setting, config=c, seed=s, budget=budget))
+    for r in runs:
+        preset, extra = config_overrides(r["config"], r["budget"])
+        a = with_(args, seed=r["seed"], budget=r["budget"])
+        r["dir"] = out / "runs" / r["name"]
+        r["cmd"] = grpo_command(a, preset, out / "sft" / "hf", out / "data" / "prompts.jsonl", r["dir"],
+                                extra=(*extra, *precision(args)))
+        r["eval_cmd"] = evaluation(args, r["dir"] / "hf", out, r["name"], None)
+    return runs
+
+
+def precision(args) -> tuple[str, ...]:
+    return (f"model.compute_dtype={args.precision}", f"rollout.dtype={args.precision}") if args.precision else ()
+
+
+def warm_start_evals(args, out: Path) -> dict[str, list[str]]:
+    """Evaluation commands of the warm-start, by name (= folder under OUT/eval): dense, and under each setting's
+    compression."""
+    cmds = {"warm-start": evaluation(args, out / "sft" / "hf", out, "warm-start", None)}
+    for setting, budget in args.settings.items():
+        cmds[f"warm-start_{setting}"] = evaluation(args, out / "sft" / "hf", out, f"warm-start_{setting}", budget)
+    return cmds
+
+
+def evaluation(args, model: Path, out: Path, name: str, budget: int | None) -> list[str]:
+    """The held-out evaluation of `model` into OUT/eval/<name>: dense, or with R-KV at `budget`; the runs' precision."""
+    a = args if budget is None else with_(args, budget=budget)
+    return [*eval_command(a, model, out / "data" / "held_out.jsonl", out / "eval" / name, budget is not None),
+            *precision(args)]
+
+
+def portable(cmd: list[str], out: Path) -> str:
+    """The command as recorded: the interpreter and the working folder replaced, so records match across checkouts."""
+    return shlex.join(["python", *cmd[1:]]).replace(str(out), "OUT")
+
+
+def scores(folder: Path, args) -> dict:
+    """Per-prompt held-out scores (in file order), response length and KV retained of one evaluation folder."""
+    name = eval_set_name(args)
+    rows = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["dataset"] == name]
+    summary = json.loads((folder / "eval.json").read_text())["datasets"][name]
+    return {"scores": [r["score"] for r in rows], "len": sum(r["tokens"] for r in rows) / len(rows),
+            "kv": summary["kv_retained_frac"]}
+
+
+def load_record(path: Path, cmd: str, eval_cmd: str) -> dict | None:
+    if not path.exists():
+        return None
+    rec = json.loads(path.read_text())
+    return rec if rec.get("cmd") == cmd and rec.get("eval_cmd") == eval_cmd else None
+
+
+def ensure_warm_start(args, out: Path, records: Path, state: dict) -> None:
+    """Build the warm-start if it is not there, evaluate it, and check it against the recorded one."""
+    if state.get("ready"):
+        return
+    sft_dir = out / "sft"
+    if not (sft_dir / "hf" / "config.json").exists():
+        run(sft_command(args, sft_dir, out / "data" / "sft.jsonl"), out / "sft.log")
+    for name, cmd in warm_start_evals(args, out).items():
+        folder = out / "eval" / name
+        if not (folder / "samples.jsonl").exists():
+            run(cmd, out / "eval" / f"{name}.log")
+        rec = {"cmd": portable(cmd, out), "eval": scores(folder, args), "machine": machine()}
+        path = records / f"{name}.json"
+        old = json.loads(path.read_text()) if path.exists() else None
+        if old and old["cmd"] == rec["cmd"] and old["eval"]["scores"] != rec["eval"]["scores"]:
+            sys.exit(f"{path}: this warm-start's held-out scores differ from the recorded ones (recorded on "
+                     f"{old['machine']}; this is {rec['machine']}); move the records aside to start a new experiment")
+        if not old or old["cmd"] != rec["cmd"]:
+            path.write_text(json.dumps(rec, indent=1) + "\n")
+    state["ready"] = True
+
+
+def run_one(args, r: dict, out: Path, records: Path) -> dict:
+    took = run_grpo(r["cmd"], r["dir"], args.steps, out / "runs" / f"{r['name']}.cmd", out / "runs" / f"{r['name']}.log",
+                    args.keep_checkpoints)
+    metrics = read_metrics(r["dir"])
+    if len(metrics) < args.steps:
+        sys.exit(f"{r['dir']}: {len(metrics)} of {args.steps} steps logged")
+    run(r["eval_cmd"], out / "eval" / f"{r['name']}.log")
+    rec = {"cmd": portable(r["cmd"], out), "eval_cmd": portable(r["eval_cmd"], out), "setting": r["setting"],
+           "config": r["config"], "seed": r["seed"], "budget": r["budget"],
+           "wall_s": took if took is not None else sum(m.get("perf/step_s", 0.0) for m in metrics),
+           "metrics": [{k: m[k] for k in ("step", *KEPT) if k in m} for m in metrics],
+           "eval": scores(out / "eval" / r["name"], args), "machine": machine()}
+    (records / f"{r['name']}.json").write_text(json.dumps(rec, indent=1) + "\n")
+    if not args.keep_policies:
+        shutil.rmtree(r["dir"] / "hf", ignore_errors=True)
+    return rec
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def mean_se(values: list[float]) -> tuple[float, float] | None:
+    """Mean and standard error of the mean (0 for one value)."""
+    ms = mean_std(values)
+    return None if ms is None else (ms[0], ms[1] / math.sqrt(len([v for v in values if v is not None])))
+
+
+def run_gain(rec: dict, base: list[float]) -> float:
+    s = rec["eval"]["scores"]
+    if len(s) != len(base):
+        raise ValueError(f"{len(s)} held-out scores against the warm-start's {len(base)}")
+    return sum(s) / len(s) - sum(base) / len(base)
+
+
+def prompt_se(recs: list[dict], base: list[float]) -> float | None:
+    """Standard error over prompts of each prompt's gain averaged over the seeds (a paired, per-prompt view)."""
+    if not recs:
+        return None
+    per_prompt = [sum(r["eval"]["scores"][i] for r in recs) / len(recs) - b for i, b in enumerate(base)]
+    ms = mean_std(per_prompt)
+    return ms[1] / math.sqrt(len(per_prompt))
+
+
+def share(gain: tuple[float, float] | None, dense: tuple[float, float] | None) -> str:
+    """Share of dense's mean gain kept, with a first-order standard error (the two means independent)."""
+    if gain is None or dense is None or dense[0] <= 0:
+        return "-"
+    q = gain[0] / dense[0]
+    se = abs(q) * math.sqrt((gain[1] / gain[0]) ** 2 + (dense[1] / dense[0]) ** 2) if gain[0] else dense[1] / dense[0]
+    return f"{q:.0%} ± {se:.0%}"
+
+
+def run_mean(rec: dict, key: str) -> float | None:
+    v = [m[key] for m in rec["metrics"] if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
+    return sum(v) / len(v) if v else None
+
+
+def final_batch_kv(rec: dict) -> float | None:
+    """KV kept per trained sequence: `kv/retained_frac` is the compressed sampler's; the rescue replaces a share
+    `rescue/frac` of the sequences by dense redraws (all of their KV) before the update."""
+    kv, rescued = run_mean(rec, "kv/retained_frac"), run_mean(rec, "rescue/frac") or 0.0
+    return None if kv is None else kv * (1.0 - rescued) + rescued
+
+
+def pm(stat, digits=3, sign=False) -> str:
+    return "-" if stat is None else f"{fmt(stat[0], digits, sign)} ± {fmt(stat[1], digits)}"
+
+
+def report(args, out: Path, records: Path) -> str:
+    """summary.md's text from the records (also printed), and the plots."""
+    base_rec = records / "warm-start.json"
+    if not base_rec.exists():
+        return "no records yet"
+    base = json.loads(base_rec.read_text())["eval"]["scores"]
+    recs = {p.stem: json.loads(p.read_text()) for p in sorted(records.glob("*.json")) if "_seed" in p.stem}
+    dense = [r for r in recs.values() if r["config"] == "dense"]
+    dense_gain = mean_se([run_gain(r, base) for r in dense])
+    text = [f"warm-start held-out score {sum(base) / len(base):.3f} ({len(base)} prompts x {args.eval_n}, dense, "
+            f"temperature 1)" + "".join(
+                f"; under {s} (budget {b}): {mean_of_scores(records / f'warm-start_{s}.json')}"
+                for s, b in args.settings.items())]
+    if dense_gain:
+        text.append(f"dense held-out gain {dense_gain[0]:+.3f} ± {dense_gain[1]:.3f} (standard error over {len(dense)} "
+                    f"seeds): {dense_gain[0] / dense_gain[1]:.1f} standard errors above zero" if dense_gain[1] else
+                    f"dense held-out gain {dense_gain[0]:+.3f} (one seed)")
+    for setting, budget in args.settings.items():
+        rows, every, metrics = [], [], {}
+        for c in args.configs:
+            group = dense if c == "dense" else [r for r in recs.values() if r["setting"] == setting and r["config"] == c]
+            gains = [run_gain(r, base) for r in group]
+            g = mean_se(gains)
+            per = lambda key: mean_se([run_mean(r, key) for r in group if run_mean(r, key) is not None])  # noqa: E731
+            rows.append([c, len(group), pm(g, sign=True), fmt(prompt_se(group, base)),
+                         share(g, dense_gain) if c != "dense" else "100%", pm(per("kv/retained_frac")),
+                         pm(mean_se([final_batch_kv(r) for r in group])),
+                         pm(per("correction/rejected_seq_frac")), pm(per("rescue/frac")),
+                         pm(mean_se([r["wall_s"] / 60 for r in group]), 1)])
+            for r, gain in zip(group, gains):
+                metrics[(c, r["seed"])] = r["metrics"]
+                every.append([c, r["seed"], fmt(gain, sign=True), fmt(run_mean(r, "reward/mean")),
+                              fmt(run_mean(r, "kv/retained_frac")), fmt(run_mean(r, "kv/budget"), 0),
+                              fmt(run_mean(r, "correction/rejected_seq_frac")), fmt(run_mean(r, "rescue/frac")),
+                              fmt(run_mean(r, "mismatch/xi_p05")), fmt(r["wall_s"] / 60, 1)])
+        title = f"{setting}: R-KV budget {budget}, divide_length {args.divide_length}, compress_prompt"
+        text.append(print_table(
+            ["config", "seeds", "held-out gain ± SE (seeds)", "SE (prompts)", "share of dense gain",
+             "KV kept per seq (sampler)", "KV of the trained seqs", "rejected seqs", "rescued seqs", "min per run"],
+            rows, title=title))
+        text.append(print_table(["config", "seed", "held-out gain", "train reward", "KV kept", "budget", "rejected",
+                                 "rescued", "xi p05", "min"], every, title=f"{setting}: every run"))
+        if metrics:
+            curve = curves(metrics, [c for c in args.configs if any(k[0] == c for k in metrics)], DIAGNOSTICS)
+            (out / f"{setting}_curves.json").write_text(json.dumps(curve, indent=1))
+            plot_bands(curve, ["reward/mean"], out / f"{setting}_reward.png",
+                       f"long_chain ({args.links} links), {title}: training reward, mean ± std over seeds")
+            plot_bands(curve, list(DIAGNOSTICS), out / f"{setting}_diagnostics.png",
+                       f"{setting} (budget {budget}) diagnostics, mean ± std over seeds", cols=4)
+    return "\n\n".join(text)
+
+
+def mean_of_scores(path: Path) -> str:
+    if not path.exists():
+        return "-"
+    s = json.loads(path.read_text())["eval"]["scores"]
+    return f"{sum(s) / len(s):.3f}"
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    out, records = Path(args.out).resolve(), Path(args.record)
+    if not records.is_absolute():
+        records = (ROOT / records).resolve()
+    runs = plan(args, out)
+    print(f"machine: {machine()}", flush=True)
+    if args.dry_run:
+        print(shlex.join(sft_command(args, out / "sft", out / "data" / "sft.jsonl")))
+        for cmd in warm_start_evals(args, out).values():
+            print(shlex.join(cmd))
+        for r in runs:
+            print(shlex.join(r["cmd"]))
+        return
+    records.mkdir(parents=True, exist_ok=True)
+    t0, state, done_now = time.perf_counter(), {}, 0
+    if not args.report_only:
+        write_data(args, out / "data")
+        ensure_warm_start(args, out, records, state)
+        for i, r in enumerate(runs):
+            if load_record(records / f"{r['name']}.json", portable(r["cmd"], out), portable(r["eval_cmd"], out)):
+                print(f"[{i + 1}/{len(runs)}] {r['name']}: recorded, not rerun", flush=True)
+                continue
+            minutes = (time.perf_counter() - t0) / 60
+            if args.max_minutes is not None and minutes >= args.max_minutes:
+                print(f"\n--max-minutes {args.max_minutes}: stopping after {minutes:.1f} min; "
+                      f"{sum(1 for x in runs[i:] if not (records / (x['name'] + '.json')).exists())} runs left")
+                break
+            print(f"\n[{i + 1}/{len(runs)}] {r['name']} ({minutes:.1f} min so far)", flush=True)
+            run_one(args, r, out, records)
+            done_now += 1
+    text = report(args, out, records)
+    print("\n" + text)
+    wall = (time.perf_counter() - t0) / 60
+    (out / "summary.md").parent.mkdir(parents=True, exist_ok=True)
+    (out / "summary.md").write_text(f"{text}\n\nmachine: {machine()}\nthis invocation: {done_now} runs, {wall:.1f} min\n")
+    print(f"\nsummary: {out / 'summary.md'} ({done_now} runs in {wall:.1f} min)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""`benchmarks/replicate_gain.py`: `--quick` end to end on a tiny random model (warm-start, five configurations at two
+KV settings, records, a second invocation that reruns nothing), the commands' differences, and the statistics."""
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def _script(*argv, timeout=900):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0"}
+    res = subprocess.run([sys.executable, "benchmarks/replicate_gain.py", *map(str, argv)], env=env,
+                         capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
+    return res.stdout
+
+
+def test_quick_mode_records_every_run_and_resumes_from_the_records(tiny_checkpoint, tmp_path):
+    out = tmp_path / "gain"
+    first = _script("--quick", "--model", tiny_checkpoint, "--out", out, "--precision", "float32")
+    records = out / "records"
+    names = ["dense_seed0"] + [f"{s}_{c}_seed0" for s in ("loose", "tight")
+                               for c in ("naive_sparse", "sparse_rl", "tail", "rescue")]
+    for name in names:
+        rec = json.loads((records / f"{name}.json").read_text())
+        assert [m["step"] for m in rec["metrics"]] == [1, 2]
+        assert len(rec["eval"]["scores"]) == 2 and rec["wall_s"] > 0
+        assert rec["cmd"].startswith("python -m sparserl.trainer.grpo") and "OUT/runs/" + name in rec["cmd"]
+        assert not (out / "runs" / name / "hf").exists()  # the policy is dropped once recorded
+        kv = [m["kv/retained_frac"] for m in rec["metrics"]]
+        assert all(k == 1.0 for k in kv) if name.startswith("dense") else all(k < 1.0 for k in kv)
+    tail = json.loads((records / "loose_tail_seed0.json").read_text())["metrics"]
+    assert tail[0]["kv/budget"] == 64  # the ceiling, 1.5 x the loose budget 40, aligned to 8
+    assert all(40 <= m["kv/budget"] <= 64 for m in tail)
+    rescue = json.loads((records / "tight_rescue_seed0.json").read_text())["metrics"]
+    assert all("rescue/frac" in m for m in rescue)
+    for name in ("warm-start", "warm-start_loose", "warm-start_tight"):
+        assert len(json.loads((records / f"{name}.json").read_text())["eval"]["scores"]) == 2
+    summary = (out / "summary.md").read_text()
+    for header in ("held-out gain ± SE (seeds)", "share of dense gain", "KV kept per seq (sampler)",
+                   "KV of the trained seqs", "rejected seqs", "rescued seqs", "min per run"):
+        assert header in summary
+    assert "| tail " in summary and "| rescue " in summary and "loose: every run" in summary
+    assert (out / "loose_reward.png").stat().st_size > 0 and (out / "tight_diagnostics.png").stat().st_size > 0
+    assert "[2/9] loose_naive_sparse_seed0" in first
+
+    again = _script("--quick", "--model", tiny_checkpoint, "--out", out, "--precision", "float32")
+    assert again.count("recorded, not rerun") == len(names) and "(0 runs in" in again
+
+
+def test_configurations_differ_only_where_they_should(capsys, tmp_path):
+    from benchmarks import replicate_gain
+
+    replicate_gain.main(["--dry-run", "--out", str(tmp_path)])
+    lines = capsys.readouterr().out.splitlines()[1:]
+    grpo = [shlex.split(line) for line in lines if "sparserl.trainer.grpo" in line]
+    assert len(grpo) == 3 + 2 * 3 * 4
+
+    def key(cmd, prefix):
+        return [a for a in cmd if a.startswith(prefix)]
+
+    def common(cmd):  # what every run of a seed shares
+        drop = ("+preset=", "trainer.output_dir=", "algo.correction.", "rollout.kv.")
+        return [a for a in cmd if not a.startswith(drop)]
+
+    by_seed = {}
+    for cmd in grpo:
+        by_seed.setdefault(key(cmd, "trainer.seed=")[0], []).append(cmd)
+    for cmds in by_seed.values():
+        assert all(common(c) == common(cmds[0]) for c in cmds)
+        assert all("model.compute_dtype=bfloat16" in c and "rollout.dtype=bfloat16" in c for c in cmds)
+    tight_tail = next(c for c in grpo if "tight_tail_seed1" in " ".join(c))
+    assert key(tight_tail, "rollout.kv.") == [
+        "rollout.kv.budget=96", "rollout.kv.divide_length=16", "rollout.kv.compress_prompt=true",
+        "rollout.kv.variant=reference", "rollout.kv.share=layer", "rollout.kv.budget=auto",
+        "rollout.kv.control.floor=96", "rollout.kv.control.ceiling=144"]
+    rescue = next(c for c in grpo if "loose_rescue_seed0" in " ".join(c))
+    assert "+preset=sparse_rl" in rescue and "algo.correction.rescue=dense" in rescue
+    # dense serves both settings: its KV keys do not follow --settings
+    replicate_gain.main(["--dry-run", "--out", str(tmp_path), "--settings", "tight"])
+    only_tight = [line for line in capsys.readouterr().out.splitlines() if "dense_seed0" in line]
+    assert only_tight and "rollout.kv.budget=128" in only_tight[0]
+
+
+def test_statistics():
+    from benchmarks.replicate_gain import mean_se, prompt_se, run_gain, share
+
+    assert mean_se([1.0, 3.0]) == (2.0, pytest.approx(1.0))  # std sqrt(2), over sqrt(2) values
+    base = [0.0, 0.5, 1.0, 0.5]
+    recs = [{"eval": {"scores": [0.5, 0.5, 1.0, 1.0]}}, {"eval": {"scores": [0.0, 1.0, 1.0, 0.5]}}]
+    assert run_gain(recs[0], base) == pytest.approx(0.25) and run_gain(recs[1], base) == pytest.approx(0.125)
+    # per-prompt gains averaged over the two seeds: 0.25, 0.25, 0, 0.25 -> std 0.125, over sqrt(4) prompts
+    assert prompt_se(recs, base) == pytest.approx(0.0625)
+    assert share((0.05, 0.01), (0.10, 0.02)) == "50% ± 14%"  # 0.5 * sqrt(0.2^2 + 0.2^2)
+    assert share((0.05, 0.01), (-0.01, 0.02)) == "-"
+    with pytest.raises(ValueError, match="held-out scores"):
+        run_gain({"eval": {"scores": [1.0]}}, base)
+
+
+def test_bad_settings_are_refused(capsys):
+    from benchmarks import replicate_gain
+
+    for bad in ("tight=8", "huge", "a=b", "1x=64"):
+        with pytest.raises(SystemExit):
+            replicate_gain.parse_args(["--settings", bad])
+        assert "--settings" in capsys.readouterr().err
+    assert replicate_gain.parse_args(["--settings", "tight", "mid=112"]).settings == {"tight": 96, "mid": 112}
