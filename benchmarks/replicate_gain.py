@@ -269,10 +269,11 @@ def run_one(args, r: dict, out: Path, records: Path) -> dict:
 # ----------------------------------------------------------------------------- statistics
 
 
-def mean_se(values: list[float]) -> tuple[float, float] | None:
-    """Mean and standard error of the mean (0 for one value)."""
+def mean_se(values: list[float]) -> tuple[float, float | None] | None:
+    """Mean and standard error of the mean (None for one value: no spread to estimate it from)."""
     ms = mean_std(values)
-    return None if ms is None else (ms[0], ms[1] / math.sqrt(len([v for v in values if v is not None])))
+    n = len([v for v in values if v is not None and math.isfinite(v)])
+    return None if ms is None else (ms[0], ms[1] / math.sqrt(n) if n > 1 else None)
 
 
 def run_gain(rec: dict, base: list[float]) -> float:
@@ -296,7 +297,9 @@ def share(gain: tuple[float, float] | None, dense: tuple[float, float] | None) -
     if gain is None or dense is None or dense[0] <= 0:
         return "-"
     q = gain[0] / dense[0]
-    se = abs(q) * math.sqrt((gain[1] / gain[0]) ** 2 + (dense[1] / dense[0]) ** 2) if gain[0] else dense[1] / dense[0]
+    if gain[1] is None or dense[1] is None:
+        return f"{q:.0%}"
+    se = abs(q) * math.sqrt((gain[1] / gain[0]) ** 2 + (dense[1] / dense[0]) ** 2) if gain[0] else gain[1] / dense[0]
     return f"{q:.0%} ± {se:.0%}"
 
 
@@ -313,7 +316,9 @@ def final_batch_kv(rec: dict) -> float | None:
 
 
 def pm(stat, digits=3, sign=False) -> str:
-    return "-" if stat is None else f"{fmt(stat[0], digits, sign)} ± {fmt(stat[1], digits)}"
+    if stat is None:
+        return "-"
+    return fmt(stat[0], digits, sign) + ("" if stat[1] is None else f" ± {fmt(stat[1], digits)}")
 
 
 def report(args, out: Path, records: Path) -> str:
@@ -331,7 +336,7 @@ def report(args, out: Path, records: Path) -> str:
                 for s, b in args.settings.items())]
     if dense_gain:
         text.append(f"dense held-out gain {dense_gain[0]:+.3f} ± {dense_gain[1]:.3f} (standard error over {len(dense)} "
-                    f"seeds): {dense_gain[0] / dense_gain[1]:.1f} standard errors above zero" if dense_gain[1] else
+                    f"seeds): {dense_gain[0] / dense_gain[1]:.1f} standard errors above zero" if dense_gain[1] is not None else
                     f"dense held-out gain {dense_gain[0]:+.3f} (one seed)")
     for setting, budget in args.settings.items():
         rows, every, metrics = [], [], {}
@@ -409,6 +414,7 @@ def main(argv=None) -> None:
             print(f"\n[{i + 1}/{len(runs)}] {r['name']} ({minutes:.1f} min so far)", flush=True)
             run_one(args, r, out, records)
             done_now += 1
+    out.mkdir(parents=True, exist_ok=True)
     text = report(args, out, records)
     print("\n" + text)
     wall = (time.perf_counter() - t0) / 60

@@ -92,13 +92,15 @@ def test_statistics():
     from benchmarks.replicate_gain import mean_se, prompt_se, run_gain, share
 
     assert mean_se([1.0, 3.0]) == (2.0, pytest.approx(1.0))  # std sqrt(2), over sqrt(2) values
+    assert mean_se([0.5]) == (0.5, None) and mean_se([]) is None
     base = [0.0, 0.5, 1.0, 0.5]
     recs = [{"eval": {"scores": [0.5, 0.5, 1.0, 1.0]}}, {"eval": {"scores": [0.0, 1.0, 1.0, 0.5]}}]
     assert run_gain(recs[0], base) == pytest.approx(0.25) and run_gain(recs[1], base) == pytest.approx(0.125)
     # per-prompt gains averaged over the two seeds: 0.25, 0.25, 0, 0.25 -> std 0.125, over sqrt(4) prompts
     assert prompt_se(recs, base) == pytest.approx(0.0625)
     assert share((0.05, 0.01), (0.10, 0.02)) == "50% ± 14%"  # 0.5 * sqrt(0.2^2 + 0.2^2)
-    assert share((0.05, 0.01), (-0.01, 0.02)) == "-"
+    assert share((0.05, 0.01), (-0.01, 0.02)) == "-" and share((0.05, None), (0.10, 0.02)) == "50%"
+    assert share((0.0, 0.01), (0.10, 0.02)) == "0% ± 10%"
     with pytest.raises(ValueError, match="held-out scores"):
         run_gain({"eval": {"scores": [1.0]}}, base)
 
