@@ -23,6 +23,8 @@ prompts, batch and lr:
 - `tail`: Sparse-RL with `rollout.kv.budget=auto`, the controller between the setting's budget (floor) and 1.5x
   it (ceiling), on the 5th percentile of xi (target 0.86);
 - `rescue`: Sparse-RL with `algo.correction.rescue=dense`, the rejected sequences rolled out again densely.
+- `tail_p01` (only when named in `--configs`): `tail` steering by the 1st percentile of xi
+  (`rollout.kv.control.statistic=xi_p01`), for mismatch carried by fewer than 5% of the tokens.
 
 dense and naive_sparse also log what Sparse-RL's filters would reject (`algo.correction.mode=measure`).
 
@@ -61,6 +63,7 @@ from benchmarks.replicate_sparse_rl import (add_kv_scoring_args, eval_command, e
                                             read_metrics, run, run_grpo, sft_command)
 
 CONFIGS = ("dense", "naive_sparse", "sparse_rl", "tail", "rescue")
+EXTRA_CONFIGS = ("tail_p01",)  # run only when named in --configs
 SETTINGS = ("loose=128", "tight=96")
 KEPT = ("reward/mean", "kv/retained_frac", "kv/budget", "correction/rejected_seq_frac", "rescue/frac",
         "rescue/rejected_before_frac", "rescue/before_xi_p05", "mismatch/kl", "mismatch/xi_p05", "mismatch/xi_p01",
@@ -80,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--settings", nargs="+", default=None, metavar="NAME[=BUDGET]",
                     help=f"KV settings to run, NAME=BUDGET, or a name of the defaults {' '.join(SETTINGS)}")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="trainer.seed of each repetition (default 0 1 2)")
-    ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", choices=CONFIGS + EXTRA_CONFIGS, default=list(CONFIGS),
+                    help="configurations to run (default: the five above; tail_p01 = tail on the 1st percentile of xi)")
     ap.add_argument("--quick", action="store_true", help="smoke sizes: 3-link chains, 2 steps, tiny batches, one seed")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="model.path of the warm-start")
     ap.add_argument("--data-seed", type=int, default=0, help="seed of the data files and of the warm-start")
@@ -153,10 +157,11 @@ def config_overrides(config: str, budget: int) -> tuple[str, tuple[str, ...]]:
         return config, MEASURE
     if config == "sparse_rl":
         return "sparse_rl", ()
-    if config == "tail":
+    if config in ("tail", "tail_p01"):
         ceiling = int(math.ceil(budget * TAIL_CEILING / 8) * 8)
+        quantile = ("rollout.kv.control.statistic=xi_p01",) if config == "tail_p01" else ()
         return "sparse_rl", ("rollout.kv.budget=auto", f"rollout.kv.control.floor={budget}",
-                             f"rollout.kv.control.ceiling={ceiling}")
+                             f"rollout.kv.control.ceiling={ceiling}", *quantile)
     if config == "rescue":
         return "sparse_rl", ("algo.correction.rescue=dense",)
     raise ValueError(config)
@@ -338,9 +343,10 @@ def report(args, out: Path, records: Path) -> str:
         text.append(f"dense held-out gain {dense_gain[0]:+.3f} ± {dense_gain[1]:.3f} (standard error over {len(dense)} "
                     f"seeds): {dense_gain[0] / dense_gain[1]:.1f} standard errors above zero" if dense_gain[1] is not None else
                     f"dense held-out gain {dense_gain[0]:+.3f} (one seed)")
+    shown = [*args.configs, *(c for c in EXTRA_CONFIGS if c not in args.configs and any(r["config"] == c for r in recs.values()))]
     for setting, budget in args.settings.items():
         rows, every, metrics = [], [], {}
-        for c in args.configs:
+        for c in shown:
             group = dense if c == "dense" else [r for r in recs.values() if r["setting"] == setting and r["config"] == c]
             gains = [run_gain(r, base) for r in group]
             g = mean_se(gains)
@@ -364,7 +370,7 @@ def report(args, out: Path, records: Path) -> str:
         text.append(print_table(["config", "seed", "held-out gain", "train reward", "KV kept", "budget", "rejected",
                                  "rescued", "xi p05", "min"], every, title=f"{setting}: every run"))
         if metrics:
-            curve = curves(metrics, [c for c in args.configs if any(k[0] == c for k in metrics)], DIAGNOSTICS)
+            curve = curves(metrics, [c for c in shown if any(k[0] == c for k in metrics)], DIAGNOSTICS)
             (out / f"{setting}_curves.json").write_text(json.dumps(curve, indent=1))
             plot_bands(curve, ["reward/mean"], out / f"{setting}_reward.png",
                        f"long_chain ({args.links} links), {title}: training reward, mean ± std over seeds")

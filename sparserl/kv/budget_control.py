@@ -12,6 +12,11 @@ The rule, applied after each step to choose the next step's budget (`BudgetContr
 Budgets are rounded to multiples of `align` entries. The first step runs at `ceiling` (the safe end) and the
 controller walks down while the tail allows it, so a run starts where a fixed-budget run known to be stable would.
 
+`statistic` picks the quantile: `xi_p05` (default, the anchor's) or `xi_p01`. Where the mismatch sits on a few
+tokens of each response (a fact read from a compressed prompt), fewer than 5% of the tokens carry it and the 5th
+percentile stays near 1 at budgets that make the correction reject a third of the sequences; the 1st percentile
+sees them (docs/replications.md, "Keeping the dense gain").
+
 The anchor (Sparrow, arXiv 2606.08446) found training stable while the 5th-percentile ratio stayed above ~0.86
 and keeps that statistic constant *within* a rollout, with a sparsity schedule over the generation found offline
 by a cost model. This controller acts *between* steps on the measured statistic instead: no offline sweep, one
@@ -25,7 +30,10 @@ from dataclasses import dataclass
 
 from sparserl.config_checks import check_section, opt
 
-TAIL_METRIC = "mismatch/xi_p05"  # the statistic the controller reads (5th percentile of xi)
+def tail_of(metrics: dict, statistic: str) -> float | None:
+    """The step's tail statistic (`rollout.kv.control.statistic`) as the controller must see it: the sparse
+    sampler's own, from before the rescue's dense redraws replaced its rejected sequences when there was a rescue."""
+    return metrics.get(f"rescue/before_{statistic}", metrics.get(f"mismatch/{statistic}"))
 
 
 @dataclass
@@ -41,6 +49,9 @@ class BudgetControlConfig:
                               "after `patience` calm steps")
     patience: int = opt(2, "steps in a row at or above target + hysteresis before the budget is lowered")
     align: int = opt(8, "budgets are multiples of this many entries")
+    statistic: str = opt("xi_p05", "the tail statistic held above `target`: the 5th percentile of xi (the anchor's) "
+                                   "or the 1st (for tasks where fewer than 5% of the tokens carry the mismatch)",
+                         choices=("xi_p05", "xi_p01"))
 
     def __post_init__(self) -> None:
         check_section("rollout.kv.control", self)

@@ -55,7 +55,7 @@ def train(cfg: Config) -> None:
     from sparserl.engines.weight_sync import sync_weights
     from sparserl.rollout.worker import rollout
     from sparserl.launch.engines import build_rollout_engine, pool_slots, sampling_params
-    from sparserl.kv.budget_control import TAIL_METRIC, BudgetController
+    from sparserl.kv.budget_control import BudgetController, tail_of
     from sparserl.trainer import setup as S
     from sparserl.trainer.faults import PREEMPTED_EXIT_CODE, Preemption, check_skips, injected_nan
     from sparserl.trainer.advantages import set_advantages
@@ -252,7 +252,7 @@ def train(cfg: Config) -> None:
         if budget is not None:  # the next step's budget, from this step's mismatch tail
             metrics["kv/budget"] = budget.budget
             # The sparse rollout's own tail: before the rescue's dense redraws replaced its rejected sequences.
-            engine.set_kv_budget(budget.update(metrics.get("rescue/before_xi_p05", metrics.get(TAIL_METRIC))))
+            engine.set_kv_budget(budget.update(tail_of(metrics, cfg.rollout.kv.control.statistic)))
         logger.log(step, metrics)
         check_skips(actor.consecutive_skips, cfg.trainer.max_skipped_steps, step, cfg.trainer.output_dir)
         preempted = preemption.requested()  # a collective: every rank learns whether any rank was signalled

@@ -82,6 +82,11 @@ def test_configurations_differ_only_where_they_should(capsys, tmp_path):
         "rollout.kv.control.floor=96", "rollout.kv.control.ceiling=144"]
     rescue = next(c for c in grpo if "loose_rescue_seed0" in " ".join(c))
     assert "+preset=sparse_rl" in rescue and "algo.correction.rescue=dense" in rescue
+    replicate_gain.main(["--dry-run", "--out", str(tmp_path), "--configs", "tail_p01", "--seeds", "0"])
+    p01 = [shlex.split(line) for line in capsys.readouterr().out.splitlines() if "sparserl.trainer.grpo" in line]
+    assert len(p01) == 2 and all(c[-3:-2] == ["rollout.kv.control.statistic=xi_p01"] for c in p01)
+    assert key(p01[0], "rollout.kv.control.") == ["rollout.kv.control.floor=128", "rollout.kv.control.ceiling=192",
+                                                  "rollout.kv.control.statistic=xi_p01"]
     # dense serves both settings: its KV keys do not follow --settings
     replicate_gain.main(["--dry-run", "--out", str(tmp_path), "--settings", "tight"])
     only_tight = [line for line in capsys.readouterr().out.splitlines() if "dense_seed0" in line]

@@ -118,6 +118,8 @@ CASES = [
     ("rollout.kv.control.hysteresis", ["rollout.kv.control.hysteresis=-0.1"], "rollout.kv.control.hysteresis=-0.1"),
     ("rollout.kv.control.factor", ["rollout.kv.control.factor=1"], "rollout.kv.control.factor=1.0: must be > 1"),
     ("rollout.kv.control.patience", ["rollout.kv.control.patience=0"], "rollout.kv.control.patience=0: must be >= 1"),
+    ("rollout.kv.control.statistic", ["rollout.kv.control.statistic=xi_p10"],
+     "rollout.kv.control.statistic=xi_p10: must be one of xi_p05, xi_p01"),
     ("rollout.kv.control.align", ["rollout.kv.control.align=0"], "rollout.kv.control.align=0: must be >= 1"),
     ("rollout.kv.divide_method", ["rollout.kv.divide_method=sentence"], "rollout.kv.divide_method=sentence"),
     ("rollout.kv.divide_length", ["rollout.kv.divide_length=0"], "rollout.kv.divide_length=0"),

@@ -112,3 +112,29 @@ def test_the_logged_tail_covers_response_tokens_only():
     # 7 tokens: one at xi = 0.5, six at 1. The 5th percentile (rank 0.35) lies in 0.5's bin.
     assert m["mismatch/xi_p05"] == pytest.approx(0.5, rel=3e-3)
     assert m["mismatch/low_xi_frac"] == 0.0
+
+
+def test_the_chosen_statistic_steers_and_the_rescue_s_own_tail_comes_first():
+    from sparserl.kv.budget_control import tail_of
+
+    # A step whose mismatch sits on fewer than 5% of the tokens: the 5th percentile is calm, the 1st is not.
+    step = {"mismatch/xi_p05": 0.997, "mismatch/xi_p01": 0.05}
+    assert tail_of(step, "xi_p05") == 0.997 and tail_of(step, "xi_p01") == 0.05
+    rescued = {**step, "rescue/before_xi_p05": 0.95, "rescue/before_xi_p01": 0.02}
+    assert tail_of(rescued, "xi_p05") == 0.95 and tail_of(rescued, "xi_p01") == 0.02
+    assert tail_of({}, "xi_p01") is None
+
+    budgets = {}
+    for statistic in ("xi_p05", "xi_p01"):
+        cfg = BudgetControlConfig(floor=128, ceiling=192, patience=1, statistic=statistic)
+        ctrl = BudgetController(cfg)
+        ctrl.budget = 152
+        budgets[statistic] = ctrl.update(tail_of(step, statistic))
+    assert budgets == {"xi_p05": 128, "xi_p01": 192}  # lowered on the calm quantile, raised on the one that sees it
+
+
+def test_an_unknown_statistic_is_refused():
+    from sparserl.config_checks import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.kv.control.statistic=xi_p10: must be one of xi_p05, xi_p01"):
+        BudgetControlConfig(statistic="xi_p10")
