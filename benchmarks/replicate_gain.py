@@ -66,7 +66,7 @@ CONFIGS = ("dense", "naive_sparse", "sparse_rl", "tail", "rescue")
 EXTRA_CONFIGS = ("tail_p01",)  # run only when named in --configs
 SETTINGS = ("loose=128", "tight=96")
 KEPT = ("reward/mean", "kv/retained_frac", "kv/budget", "correction/rejected_seq_frac", "rescue/frac",
-        "rescue/rejected_before_frac", "rescue/before_xi_p05", "mismatch/kl", "mismatch/xi_p05", "mismatch/xi_p01",
+        "rescue/rejected_before_frac", "rescue/before_xi_p05", "rescue/reward_mean", "mismatch/kl", "mismatch/xi_p05", "mismatch/xi_p01",
         "mismatch/low_xi_pos_adv_frac", "actor/entropy", "actor/grad_norm", "response/len_mean", "perf/step_s",
         "perf/rollout_s", "perf/update_s")
 DIAGNOSTICS = ("kv/retained_frac", "kv/budget", "correction/rejected_seq_frac", "mismatch/xi_p05", "mismatch/kl",
