@@ -33,7 +33,12 @@ from sparserl.config_checks import check_section, opt
 def tail_of(metrics: dict, statistic: str) -> float | None:
     """The step's tail statistic (`rollout.kv.control.statistic`) as the controller must see it: the sparse
     sampler's own, from before the rescue's dense redraws replaced its rejected sequences when there was a rescue."""
-    return metrics.get(f"rescue/before_{statistic}", metrics.get(f"mismatch/{statistic}"))
+    before, step = _TAIL_KEYS[statistic]
+    return metrics.get(before, metrics.get(step))
+
+
+_TAIL_KEYS = {"xi_p05": ("rescue/before_xi_p05", "mismatch/xi_p05"),
+              "xi_p01": ("rescue/before_xi_p01", "mismatch/xi_p01")}  # statistic -> (pre-rescue key, step key)
 
 
 @dataclass
