@@ -57,20 +57,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from benchmarks.common import machine, print_table  # noqa: E402
-from benchmarks.replicate_long import MEASURE, curves, mean_std, plot_bands, write_data  # noqa: E402
-from benchmarks.replicate_sparse_rl import (add_kv_scoring_args, eval_command, eval_set_name, fmt, grpo_command,  # noqa: E402
+from benchmarks.common import machine  # noqa: E402
+from benchmarks.gain_report import KEPT, mean_se, prompt_se, report, run_gain, share  # noqa: E402,F401
+from benchmarks.replicate_long import MEASURE, write_data  # noqa: E402
+from benchmarks.replicate_sparse_rl import (add_kv_scoring_args, eval_command, eval_set_name, grpo_command,  # noqa: E402
                                             read_metrics, run, run_grpo, sft_command)
 
 CONFIGS = ("dense", "naive_sparse", "sparse_rl", "tail", "rescue")
 EXTRA_CONFIGS = ("tail_p01",)  # run only when named in --configs
 SETTINGS = ("loose=128", "tight=96")
-KEPT = ("reward/mean", "kv/retained_frac", "kv/budget", "correction/rejected_seq_frac", "rescue/frac",
-        "rescue/rejected_before_frac", "rescue/before_xi_p05", "rescue/reward_mean", "mismatch/kl", "mismatch/xi_p05", "mismatch/xi_p01",
-        "mismatch/low_xi_pos_adv_frac", "actor/entropy", "actor/grad_norm", "response/len_mean", "perf/step_s",
-        "perf/rollout_s", "perf/update_s")
-DIAGNOSTICS = ("kv/retained_frac", "kv/budget", "correction/rejected_seq_frac", "mismatch/xi_p05", "mismatch/kl",
-               "actor/grad_norm", "response/len_mean", "perf/step_s")
 TAIL_CEILING = 1.5  # the tail controller's ceiling, times the setting's budget (its floor)
 
 
@@ -231,10 +226,8 @@ def load_record(path: Path, cmd: str, eval_cmd: str) -> dict | None:
     return rec if rec.get("cmd") == cmd and rec.get("eval_cmd") == eval_cmd else None
 
 
-def ensure_warm_start(args, out: Path, records: Path, state: dict) -> None:
+def ensure_warm_start(args, out: Path, records: Path) -> None:
     """Build the warm-start if it is not there, evaluate it, and check it against the recorded one."""
-    if state.get("ready"):
-        return
     sft_dir = out / "sft"
     if not (sft_dir / "hf" / "config.json").exists():
         run(sft_command(args, sft_dir, out / "data" / "sft.jsonl"), out / "sft.log")
@@ -250,7 +243,6 @@ def ensure_warm_start(args, out: Path, records: Path, state: dict) -> None:
                      f"{old['machine']}; this is {rec['machine']}); move the records aside to start a new experiment")
         if not old or old["cmd"] != rec["cmd"]:
             path.write_text(json.dumps(rec, indent=1) + "\n")
-    state["ready"] = True
 
 
 def run_one(args, r: dict, out: Path, records: Path) -> dict:
@@ -271,121 +263,6 @@ def run_one(args, r: dict, out: Path, records: Path) -> dict:
     return rec
 
 
-# ----------------------------------------------------------------------------- statistics
-
-
-def mean_se(values: list[float]) -> tuple[float, float | None] | None:
-    """Mean and standard error of the mean (None for one value: no spread to estimate it from)."""
-    ms = mean_std(values)
-    n = len([v for v in values if v is not None and math.isfinite(v)])
-    return None if ms is None else (ms[0], ms[1] / math.sqrt(n) if n > 1 else None)
-
-
-def run_gain(rec: dict, base: list[float]) -> float:
-    s = rec["eval"]["scores"]
-    if len(s) != len(base):
-        raise ValueError(f"{len(s)} held-out scores against the warm-start's {len(base)}")
-    return sum(s) / len(s) - sum(base) / len(base)
-
-
-def prompt_se(recs: list[dict], base: list[float]) -> float | None:
-    """Standard error over prompts of each prompt's gain averaged over the seeds (a paired, per-prompt view)."""
-    if not recs:
-        return None
-    per_prompt = [sum(r["eval"]["scores"][i] for r in recs) / len(recs) - b for i, b in enumerate(base)]
-    ms = mean_std(per_prompt)
-    return ms[1] / math.sqrt(len(per_prompt))
-
-
-def share(gain: tuple[float, float] | None, dense: tuple[float, float] | None) -> str:
-    """Share of dense's mean gain kept, with a first-order standard error (the two means independent)."""
-    if gain is None or dense is None or dense[0] <= 0:
-        return "-"
-    q = gain[0] / dense[0]
-    if gain[1] is None or dense[1] is None:
-        return f"{q:.0%}"
-    se = abs(q) * math.sqrt((gain[1] / gain[0]) ** 2 + (dense[1] / dense[0]) ** 2) if gain[0] else gain[1] / dense[0]
-    return f"{q:.0%} ± {se:.0%}"
-
-
-def run_mean(rec: dict, key: str) -> float | None:
-    v = [m[key] for m in rec["metrics"] if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
-    return sum(v) / len(v) if v else None
-
-
-def final_batch_kv(rec: dict) -> float | None:
-    """KV kept per trained sequence: `kv/retained_frac` is the compressed sampler's; the rescue replaces a share
-    `rescue/frac` of the sequences by dense redraws (all of their KV) before the update."""
-    kv, rescued = run_mean(rec, "kv/retained_frac"), run_mean(rec, "rescue/frac") or 0.0
-    return None if kv is None else kv * (1.0 - rescued) + rescued
-
-
-def pm(stat, digits=3, sign=False) -> str:
-    if stat is None:
-        return "-"
-    return fmt(stat[0], digits, sign) + ("" if stat[1] is None else f" ± {fmt(stat[1], digits)}")
-
-
-def report(args, out: Path, records: Path) -> str:
-    """summary.md's text from the records (also printed), and the plots."""
-    base_rec = records / "warm-start.json"
-    if not base_rec.exists():
-        return "no records yet"
-    base = json.loads(base_rec.read_text())["eval"]["scores"]
-    recs = {p.stem: json.loads(p.read_text()) for p in sorted(records.glob("*.json")) if "_seed" in p.stem}
-    dense = [r for r in recs.values() if r["config"] == "dense"]
-    dense_gain = mean_se([run_gain(r, base) for r in dense])
-    text = [f"warm-start held-out score {sum(base) / len(base):.3f} ({len(base)} prompts x {args.eval_n}, dense, "
-            f"temperature 1)" + "".join(
-                f"; under {s} (budget {b}): {mean_of_scores(records / f'warm-start_{s}.json')}"
-                for s, b in args.settings.items())]
-    if dense_gain:
-        text.append(f"dense held-out gain {dense_gain[0]:+.3f} ± {dense_gain[1]:.3f} (standard error over {len(dense)} "
-                    f"seeds): {dense_gain[0] / dense_gain[1]:.1f} standard errors above zero" if dense_gain[1] is not None else
-                    f"dense held-out gain {dense_gain[0]:+.3f} (one seed)")
-    shown = [*args.configs, *(c for c in EXTRA_CONFIGS if c not in args.configs and any(r["config"] == c for r in recs.values()))]
-    for setting, budget in args.settings.items():
-        rows, every, metrics = [], [], {}
-        for c in shown:
-            group = dense if c == "dense" else [r for r in recs.values() if r["setting"] == setting and r["config"] == c]
-            gains = [run_gain(r, base) for r in group]
-            g = mean_se(gains)
-            per = lambda key: mean_se([run_mean(r, key) for r in group if run_mean(r, key) is not None])  # noqa: E731
-            rows.append([c, len(group), pm(g, sign=True), fmt(prompt_se(group, base)),
-                         share(g, dense_gain) if c != "dense" else "100%", pm(per("kv/retained_frac")),
-                         pm(mean_se([final_batch_kv(r) for r in group])),
-                         pm(per("correction/rejected_seq_frac")), pm(per("rescue/frac")),
-                         pm(mean_se([r["wall_s"] / 60 for r in group]), 1)])
-            for r, gain in zip(group, gains):
-                metrics[(c, r["seed"])] = r["metrics"]
-                every.append([c, r["seed"], fmt(gain, sign=True), fmt(run_mean(r, "reward/mean")),
-                              fmt(run_mean(r, "kv/retained_frac")), fmt(run_mean(r, "kv/budget"), 0),
-                              fmt(run_mean(r, "correction/rejected_seq_frac")), fmt(run_mean(r, "rescue/frac")),
-                              fmt(run_mean(r, "mismatch/xi_p05")), fmt(r["wall_s"] / 60, 1)])
-        title = f"{setting}: R-KV budget {budget}, divide_length {args.divide_length}, compress_prompt"
-        text.append(print_table(
-            ["config", "seeds", "held-out gain ± SE (seeds)", "SE (prompts)", "share of dense gain",
-             "KV kept per seq (sampler)", "KV of the trained seqs", "rejected seqs", "rescued seqs", "min per run"],
-            rows, title=title))
-        text.append(print_table(["config", "seed", "held-out gain", "train reward", "KV kept", "budget", "rejected",
-                                 "rescued", "xi p05", "min"], every, title=f"{setting}: every run"))
-        if metrics:
-            curve = curves(metrics, [c for c in shown if any(k[0] == c for k in metrics)], DIAGNOSTICS)
-            (out / f"{setting}_curves.json").write_text(json.dumps(curve, indent=1))
-            plot_bands(curve, ["reward/mean"], out / f"{setting}_reward.png",
-                       f"long_chain ({args.links} links), {title}: training reward, mean ± std over seeds")
-            plot_bands(curve, list(DIAGNOSTICS), out / f"{setting}_diagnostics.png",
-                       f"{setting} (budget {budget}) diagnostics, mean ± std over seeds", cols=4)
-    return "\n\n".join(text)
-
-
-def mean_of_scores(path: Path) -> str:
-    if not path.exists():
-        return "-"
-    s = json.loads(path.read_text())["eval"]["scores"]
-    return f"{sum(s) / len(s):.3f}"
-
-
 # ----------------------------------------------------------------------------- main
 
 
@@ -404,10 +281,10 @@ def main(argv=None) -> None:
             print(shlex.join(r["cmd"]))
         return
     records.mkdir(parents=True, exist_ok=True)
-    t0, state, done_now = time.perf_counter(), {}, 0
+    t0, done_now = time.perf_counter(), 0
     if not args.report_only:
         write_data(args, out / "data")
-        ensure_warm_start(args, out, records, state)
+        ensure_warm_start(args, out, records)
         for i, r in enumerate(runs):
             if load_record(records / f"{r['name']}.json", portable(r["cmd"], out), portable(r["eval_cmd"], out)):
                 print(f"[{i + 1}/{len(runs)}] {r['name']}: recorded, not rerun", flush=True)
@@ -421,7 +298,7 @@ def main(argv=None) -> None:
             run_one(args, r, out, records)
             done_now += 1
     out.mkdir(parents=True, exist_ok=True)
-    text = report(args, out, records)
+    text = report(args, out, records, EXTRA_CONFIGS)
     print("\n" + text)
     wall = (time.perf_counter() - t0) / 60
     (out / "summary.md").parent.mkdir(parents=True, exist_ok=True)
