@@ -58,14 +58,32 @@ def _linear_weights(model) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return head.weight, [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
 
 
+def bench_device(name: str) -> torch.device:
+    """`--device`: auto (CUDA when visible, else CPU), cpu or cuda."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    return torch.device(name)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so that a host clock reads finished work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _best_mm_seconds(pairs: list[tuple[torch.Tensor, torch.Tensor]], repeats: int) -> float:
     """The best of `repeats` runs of `torch.mm(a, b)` over `pairs`, back to back, after one warm-up run."""
     best = float("inf")
+    device = pairs[0][0].device
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first run warms the BLAS up
+            sync(device)
             t0 = time.perf_counter()
             for a, b in pairs:
                 torch.mm(a, b)
+            sync(device)
             best = min(best, time.perf_counter() - t0)
     return best
 

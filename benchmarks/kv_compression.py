@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import gsm8k_prompts, machine, print_table  # noqa: E402
+from benchmarks.common import bench_device, gsm8k_prompts, machine, print_table  # noqa: E402
 from sparserl.actor.hf import load_model, load_tokenizer  # noqa: E402
 from sparserl.utils import precision  # noqa: E402
 from sparserl.actor.logprobs import PackedSeqs, packed_logprobs  # noqa: E402
@@ -81,7 +81,8 @@ def mismatch_kl(model, gens, batch_tokens=4096):
     def flush():
         nonlocal total, n
         seqs = PackedSeqs([g.prompt_token_ids + g.token_ids for g in chunk], [len(g.prompt_token_ids) for g in chunk])
-        logp, _ = packed_logprobs(model, seqs, torch.device("cpu"))
+        logp, _ = packed_logprobs(model, seqs, next(model.parameters()).device)
+        logp = logp.float().cpu()
         for row, g in enumerate(chunk):
             dense = logp[row, : len(g.token_ids)]
             total += float((torch.tensor(g.logp_sparse) - dense).sum())
@@ -114,10 +115,12 @@ def main() -> None:
     ap.add_argument("--overhead-requests", type=int, default=32, help="0: skip the overhead table")
     ap.add_argument("--overhead-tokens", type=int, default=128)
     ap.add_argument("--engine", default="native", choices=["native", "sglang"])
+    ap.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"], help="the native engine's device")
     args = ap.parse_args()
-    args.dtype = precision.resolve_arg(args.dtype)
+    args.device = bench_device(args.device)
+    args.dtype = precision.resolve_arg(args.dtype, args.device)
     tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, args.device if args.engine == "native" else "cpu")
     use_packed_attention(model)
     if args.engine == "sglang":
         from sparserl.actor.hf import resolve_model_path

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import gsm8k_prompts, machine, matmul_floor, print_table  # noqa: E402
+from benchmarks.common import bench_device, gsm8k_prompts, machine, matmul_floor, print_table, sync  # noqa: E402
 from sparserl.actor.hf import load_model, load_tokenizer, resolve_model_path  # noqa: E402
 from sparserl.utils import precision  # noqa: E402
 from sparserl.engines.native.engine import NativeEngine  # noqa: E402
@@ -46,13 +46,16 @@ MAX_BATCH_TOKENS = 8192  # the native engine's (and NativeOptions') default
 
 def hf_generate(model, tokenizer, prompts, new_tokens, ignore_eos):
     tokenizer.padding_side = "left"
-    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+    device = next(model.parameters()).device
+    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt").to(device)
+    sync(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(**batch, max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
                              min_new_tokens=new_tokens if ignore_eos else 0, pad_token_id=tokenizer.pad_token_id)
+    sync(device)
     dt = time.perf_counter() - t0
-    gen = out[:, batch["input_ids"].shape[1]:]
+    gen = out[:, batch["input_ids"].shape[1]:].cpu()
     if ignore_eos:
         n = gen.numel()
     else:  # count tokens up to and including the first EOS
@@ -93,7 +96,7 @@ def quantized_run(args, tokenizer, trainer, scheme: str, kv_budget: int) -> list
 
     quant, _, kernel = scheme.partition(":")
     kv = KVPolicyConfig(algorithm="rkv", budget=kv_budget, divide_length=16, window=8, compress_prompt=True) if kv_budget else None
-    engine = NativeEngine(load_model(args.model, args.dtype), tokenizer, num_slots=max(args.batch) * 512, quantization=quant,
+    engine = NativeEngine(load_model(args.model, args.dtype, args.device), tokenizer, num_slots=max(args.batch) * 512, quantization=quant,
                           quant_kernel=kernel or "auto", kv=kv, rescore_seqs=8 if kv_budget else 0)
     engine_generate(engine, gsm8k_prompts(tokenizer, 2), 4, True)  # warm-up
     name = f"{quant} ({engine.runner.quant.kernel})" if engine.runner.quant is not None else "none"
@@ -110,7 +113,7 @@ def quantized_run(args, tokenizer, trainer, scheme: str, kv_budget: int) -> list
         with torch.inference_mode():
             dense, _ = packed_logprobs(trainer, seqs, next(trainer.parameters()).device)  # (b, T)
         sparse = torch.tensor([g.logp_sparse for g in gens])  # every response has new_tokens tokens
-        diff = sparse - dense.float()
+        diff = sparse - dense.float().cpu()
         extra = engine.stats().extra
         rows.append([name, f"rkv {kv_budget}" if kv_budget else "dense", b, n, n / dt, extra["rollout/weight_bytes"] / 2**20,
                      float(diff.mean()), float(diff.abs().mean()),
@@ -121,7 +124,7 @@ def quantized_run(args, tokenizer, trainer, scheme: str, kv_budget: int) -> list
 
 
 def quantization_table(args, tokenizer) -> None:
-    trainer = load_model(args.model, args.trainer_dtype)
+    trainer = load_model(args.model, args.trainer_dtype, args.device)
     print(f"machine: {machine()}\nmodel: {args.model}, rollout dtype {args.dtype}, trainer dtype {args.trainer_dtype}, "
           f"{args.new_tokens} new tokens per sequence, temperature 1\n")
     rows = []
@@ -150,6 +153,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="auto", help="auto: bf16 where the hardware runs it fast, else fp32")
+    ap.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--modes", nargs="+", default=["fixed"], choices=["fixed", "eos"])
@@ -162,16 +166,17 @@ def main() -> None:
     ap.add_argument("--trainer-dtype", default="auto", help="dtype of the dense reference log-probs (--quantization)")
     ap.add_argument("--kv-budget", type=int, default=0, help="--quantization: also run with R-KV at this budget")
     args = ap.parse_args()
-    args.dtype = precision.resolve_arg(args.dtype)
-    args.trainer_dtype = precision.resolve_arg(args.trainer_dtype)
+    args.device = bench_device(args.device)
+    args.dtype = precision.resolve_arg(args.dtype, args.device)
+    args.trainer_dtype = precision.resolve_arg(args.trainer_dtype, args.device)
     torch.manual_seed(0)
     tokenizer = load_tokenizer(args.model)
     if args.quantization:
         return quantization_table(args, tokenizer)
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, args.device)
     engines = {}
     for name in [e for e in args.engine if e.startswith("native")]:
-        engines[name] = NativeEngine(load_model(args.model, args.dtype), tokenizer, num_slots=max(args.batch) * 512,
+        engines[name] = NativeEngine(load_model(args.model, args.dtype, args.device), tokenizer, num_slots=max(args.batch) * 512,
                                      max_batch_tokens=MAX_BATCH_TOKENS, decode_cache="off" if name == "native:gather" else "auto")
     if "sglang" in args.engine:
         engines["sglang"] = start_sglang(args.model, args.dtype, max(args.batch), tokenizer)

