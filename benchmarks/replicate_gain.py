@@ -25,6 +25,8 @@ prompts, batch and lr:
 - `rescue`: Sparse-RL with `algo.correction.rescue=dense`, the rejected sequences rolled out again densely.
 - `tail_p01` (only when named in `--configs`): `tail` steering by the 1st percentile of xi
   (`rollout.kv.control.statistic=xi_p01`), for mismatch carried by fewer than 5% of the tokens.
+- `rescue_group` (only when named in `--configs`): `rescue` re-rolling a group whole once half of it is rejected
+  (`algo.correction.rescue_group_frac=0.5`), so no group mixes dense redraws with compressed survivors.
 
 dense and naive_sparse also log what Sparse-RL's filters would reject (`algo.correction.mode=measure`).
 
@@ -64,7 +66,7 @@ from benchmarks.replicate_sparse_rl import (add_kv_scoring_args, eval_command, e
                                             read_metrics, run, run_grpo, sft_command)
 
 CONFIGS = ("dense", "naive_sparse", "sparse_rl", "tail", "rescue")
-EXTRA_CONFIGS = ("tail_p01",)  # run only when named in --configs
+EXTRA_CONFIGS = ("tail_p01", "rescue_group")  # run only when named in --configs
 SETTINGS = ("loose=128", "tight=96")
 TAIL_CEILING = 1.5  # the tail controller's ceiling, times the setting's budget (its floor)
 
@@ -79,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help=f"KV settings to run, NAME=BUDGET, or a name of the defaults {' '.join(SETTINGS)}")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="trainer.seed of each repetition (default 0 1 2)")
     ap.add_argument("--configs", nargs="+", choices=CONFIGS + EXTRA_CONFIGS, default=list(CONFIGS),
-                    help="configurations to run (default: the five above; tail_p01 = tail on the 1st percentile of xi)")
+                    help="configurations to run (default: the five above; tail_p01 = tail on the 1st percentile of xi, "
+                         "rescue_group = rescue re-rolling a group whole once half of it is rejected)")
     ap.add_argument("--quick", action="store_true", help="smoke sizes: 3-link chains, 2 steps, tiny batches, one seed")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="model.path of the warm-start")
     ap.add_argument("--data-seed", type=int, default=0, help="seed of the data files and of the warm-start")
@@ -159,6 +162,8 @@ def config_overrides(config: str, budget: int) -> tuple[str, tuple[str, ...]]:
                              f"rollout.kv.control.ceiling={ceiling}", *quantile)
     if config == "rescue":
         return "sparse_rl", ("algo.correction.rescue=dense",)
+    if config == "rescue_group":
+        return "sparse_rl", ("algo.correction.rescue=dense", "algo.correction.rescue_group_frac=0.5")
     raise ValueError(config)
 
 

@@ -189,6 +189,7 @@ RANGES: dict[str, Rule] = {
     "algo.correction.token_high": or_null(NON_NEG),
     "algo.correction.geo_low": or_null(NON_NEG),
     "algo.correction.geo_high": or_null(NON_NEG),
+    "algo.correction.rescue_group_frac": PROB,
     "parallel.tp": COUNT,
     "parallel.cp": COUNT,
     "trainer.total_steps": COUNT,

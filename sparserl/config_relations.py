@@ -111,6 +111,10 @@ def _auto_budget_engine(cfg) -> None:
 def _rescue_dense(cfg) -> None:
     c = cfg.algo.correction
     if c.rescue == "none":
+        if c.rescue_group_frac > 0:
+            raise ConfigError(f"algo.correction.rescue_group_frac={c.rescue_group_frac:g} re-rolls whole groups of the "
+                              "rescue, but algo.correction.rescue=none; set algo.correction.rescue=dense or "
+                              "rescue_group_frac=0")
         return
     if not (c.enable and c.mode == "apply"):
         raise ConfigError(f"algo.correction.rescue={c.rescue} re-rolls the sequences the correction rejects, but with "

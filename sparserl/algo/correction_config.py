@@ -34,6 +34,9 @@ class CorrectionConfig:
     rescue: str = opt("none", "none | dense: roll the sequences the correction rejects out again with a dense KV cache "
                               "(same prompts, one new sample each) and train on those instead (docs/correction.md)",
                       choices=("none", "dense"))
+    rescue_group_frac: float = opt(0.0, "with rescue=dense: a group with at least this share of its samples rejected is "
+                                        "re-rolled whole, so its baseline compares samples of one sampler; 0 = only "
+                                        "the rejected samples")
 
     def __post_init__(self) -> None:
         check_section("algo.correction", self)

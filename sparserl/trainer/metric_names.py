@@ -182,7 +182,8 @@ METRICS: tuple[Metric, ...] = (
     # rescue/
     Metric("rescue/rejected_before_frac", "Share of sequences the correction rejected before the rescue (what "
            "`correction/rejected_seq_frac` would be without it)", RESCUE),
-    Metric("rescue/seqs", "Sequences re-rolled densely (one per rejected sequence), all ranks", RESCUE),
+    Metric("rescue/seqs", "Sequences re-rolled densely (one per rejected sequence, every sample of a group re-rolled "
+           "whole by `algo.correction.rescue_group_frac`), all ranks", RESCUE),
     Metric("rescue/frac", "`rescue/seqs` as a share of the batch's sequences", RESCUE),
     Metric("rescue/reward_mean", "Mean reward of the re-rolled samples", f"{RESCUE}, steps with `rescue/seqs > 0`"),
     Metric("rescue/before_xi_p01", "`mismatch/xi_p01` of the sparse rollout, before the redraws replaced its rejected "

@@ -41,6 +41,21 @@ def test_pick_re_rolls_the_rejected_samples_with_their_own_seeds():
         pick([True] * 5, keys, n=2)
 
 
+def test_pick_re_rolls_whole_groups_past_the_share():
+    keys = [(1, 0), (1, 1), (1, 2)]  # three groups of n=4
+    rejected = [True, False, False, False,  # 1 of 4: only the rejected one
+                True, True, False, False,  # 2 of 4 = 0.5: the whole group
+                True, True, True, False]  # 3 of 4: the whole group
+    redraws = pick(rejected, keys, n=4, group_frac=0.5)
+    assert [r.index for r in redraws] == [0, 4, 5, 6, 7, 8, 9, 10, 11]
+    assert [(r.key, r.sample) for r in redraws][1:5] == [((1, 1), j) for j in range(4)]
+    assert [r.seed_index for r in redraws] == [rescue_seed_index(keys[r.index // 4], r.index % 4, 4) for r in redraws]
+    assert [r.index for r in pick(rejected, keys, n=4, group_frac=0.75)] == [0, 4, 5, 8, 9, 10, 11]
+    assert [r.index for r in pick(rejected, keys, n=4)] == [i for i, f in enumerate(rejected) if f]  # 0 = off
+    assert [r.index for r in pick(rejected, keys, n=4, group_frac=1.0)] == [0, 4, 5, 8, 9, 10]  # none all rejected
+    assert pick([False] * 12, keys, n=4, group_frac=0.25) == []  # no rejected sample, no redraw
+
+
 def test_the_rescue_seed_is_apart_from_every_rounds():
     for step in (1, 2, 7):
         rounds = {round_seed(3, step, r) for r in range(1, 200)}
@@ -211,4 +226,36 @@ def test_rescue_run_replaces_the_rejected_samples_with_dense_redraws():
             assert torch.allclose(out.batch.logp_old[i, :T], torch.tensor(s.logp_sparse), atol=1e-5)
         else:
             assert torch.equal(out.batch.logp_old[i, :T], batch.logp_old[i, :T])
+    assert not rejected_sequences(cfg, out.batch).any()
+
+
+def test_rescue_run_re_rolls_a_mostly_rejected_group_whole():
+    n = 2
+    engine = _engine(KV)
+    samples = _to_samples(_generate(engine, n=n), n)
+    dense_logprobs = _dense_logprobs(engine.runner.model)
+    batch = to_train_batch(samples, "cpu")
+    batch.logp_old = dense_logprobs(batch)
+    cfg = CorrectionConfig(geo_low=0.999, veto=None, token_low=None, token_high=None, rescue="dense",
+                           rescue_group_frac=0.5)
+    before = rejected_sequences(cfg, batch).tolist()
+    whole = [g for g in range(len(PROMPTS)) if any(before[g * n: (g + 1) * n])]  # half of n=2 reaches the share
+    assert whole and sum(before) < len(whole) * n, before  # some group has an accepted sample to re-roll too
+    calls = []
+
+    def redraw(redraws):
+        calls.append(redraws)
+        with engine.dense():
+            gens = [engine.generate([GenerationRequest(samples[r.index].prompt_ids, SamplingParams(max_new_tokens=24),
+                                                       r.index, seed_index=r.seed_index)])[0] for r in redraws]
+        return [Sample(group=-1, prompt_ids=list(g.prompt_token_ids), response_ids=list(g.token_ids),
+                       loss_mask=[1] * len(g.token_ids), logp_sparse=list(g.logp_sparse), reward=0.5) for g in gens]
+
+    out = Rescue(AlgoConfig(correction=cfg), n, None, "cpu").run(samples, batch, [(1, g) for g in range(len(PROMPTS))],
+                                                                 redraw, dense_logprobs, _NoTimer())
+    picked = [g * n + j for g in whole for j in range(n)]
+    assert [r.index for r in calls[0]] == picked
+    assert out.metrics["rescue/seqs"] == len(picked)
+    assert out.metrics["rescue/rejected_before_frac"] == sum(before) / len(samples)  # the rejected, not the redrawn
+    assert all((out.samples[i] is samples[i]) == (i not in picked) for i in range(len(samples)))
     assert not rejected_sequences(cfg, out.batch).any()
