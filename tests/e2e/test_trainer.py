@@ -28,9 +28,11 @@ def write_data(path: Path, rows) -> Path:
     return path
 
 
-def trainer(args, nproc=1, cwd=None, timeout=600, extra_env=None):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0", **(extra_env or {})}
-    if nproc == 1:
+def trainer(args, nproc=1, cwd=None, timeout=600, extra_env=None, torchrun=False):
+    """Run the GRPO trainer: a plain process for nproc=1 unless `torchrun`, else torchrun with nproc processes."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0", **(extra_env or {})}
+    if nproc == 1 and not torchrun:
         cmd = [sys.executable, "-m", "sparserl.trainer.grpo", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",

@@ -2,12 +2,6 @@
 CPU engine), the draw without host syncs, the GPU-only quantization schemes, memory released on sleep, and the
 trainer on CUDA with NCCL. Skipped where no CUDA device is visible (CI); `scripts/gpu_check.sh` runs them with the
 rest of the GPU checks, and docs/gpu.md records what they gave on which machine."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,12 +11,12 @@ from sparserl.engines.types import GenerationRequest, SamplingParams
 from sparserl.kv import KVPolicyConfig
 from sparserl.model.sampling import processed_logprobs
 from tests.conftest import tiny_model
+from tests.e2e.test_trainer import FAILING_ENV, read_metrics, trainer, write_data
+from tests.unit.test_native_engine import PROMPTS, dense_logprobs, requests
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-ROOT = Path(__file__).resolve().parents[2]
 CUDA = torch.device("cuda")
-PROMPTS = [[1, 5, 7, 9, 3], [2, 8], [4, 4, 4, 4, 4, 4, 4, 4, 4, 10, 11, 12, 13], [6], [9, 8, 7, 6, 5, 4, 3]]
 
 
 @pytest.fixture(autouse=True)
@@ -32,19 +26,6 @@ def exact_fp32():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
-
-
-def requests(params, prompts=PROMPTS):
-    return [GenerationRequest(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
-
-
-def dense_logprobs(model, gen, temperature=1.0):
-    device = next(model.parameters()).device
-    ids = torch.tensor([gen.prompt_token_ids + gen.token_ids], device=device)
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(gen.prompt_token_ids) - 1: -1].float()
-    lp = processed_logprobs(logits, temperature)
-    return lp.gather(-1, torch.tensor(gen.token_ids, device=device)[:, None])[:, 0].cpu()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -67,7 +48,7 @@ def test_sampled_rollouts_are_the_same_on_cuda_and_cpu(family):
     gpu = NativeEngine(tiny_model(family).to(CUDA), num_slots=1024, eos_token_ids=[]).generate(requests(params))
     assert [g.token_ids for g in gpu] == [g.token_ids for g in cpu]
     ref = tiny_model(family).to(CUDA)
-    worst = max((dense_logprobs(ref, g) - torch.tensor(g.logp_sparse)).abs().max().item() for g in gpu)
+    worst = max((dense_logprobs(ref, g, 1.0) - torch.tensor(g.logp_sparse)).abs().max().item() for g in gpu)
     assert worst < 1e-5
     assert max(abs(a - b) for c, g in zip(cpu, gpu) for a, b in zip(c.logp_sparse, g.logp_sparse)) < 1e-4
 
@@ -130,7 +111,7 @@ def test_quantized_rollouts_track_the_float_model_on_cuda(scheme):
     engine = NativeEngine(tiny_model("qwen2").to(CUDA), num_slots=1024, eos_token_ids=[], quantization=scheme)
     gens = engine.generate(requests(SamplingParams(temperature=1.0, max_new_tokens=16, n=2, seed=3)))
     assert all(len(g.token_ids) == 16 for g in gens)
-    d = torch.cat([dense_logprobs(ref, g) - torch.tensor(g.logp_sparse) for g in gens]).abs()
+    d = torch.cat([dense_logprobs(ref, g, 1.0) - torch.tensor(g.logp_sparse) for g in gens]).abs()
     assert torch.isfinite(d).all()
     assert 1e-6 < d.mean() < 0.1, f"{scheme}: mean |dlogp| {d.mean():.3g}"  # a real, small mismatch
     assert engine.stats().extra["rollout/weight_bytes_saved"] > 0
@@ -156,34 +137,20 @@ def test_sleep_returns_the_kv_pool_and_weights_to_the_device():
 
 # ------------------------------------------------------------------ the trainer on CUDA
 
-ENV = '''
-from sparserl.rewards.math import extract_last_integer
-max_turns = 1
-
-async def step(state, action, extra_info):
-    ok = extract_last_integer(action) == int(extra_info["answer"])
-    return {"next_state": None, "reward": float(ok), "score": float(ok), "done": True, "extra_info": extra_info}
-'''
-
-
 def run_trainer(ckpt, tmp_path, name, extra):
+    """2 steps of the GRPO trainer through torchrun on CUDA; its metrics and its log."""
     rows = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
-            for a, b in [(1, 1), (2, 3), (4, 4), (5, 1)]]
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            for a, b in [(3, 4), (2, 3), (4, 4), (5, 1)]]  # no answer "2": FAILING_ENV never fails here
+    data = write_data(tmp_path / "train.jsonl", rows)
     env = tmp_path / "env.py"
-    env.write_text(ENV)
+    env.write_text(FAILING_ENV)
     out = tmp_path / name
     args = {"model.path": ckpt, "data.train_path": data, "env.path": env, "trainer.output_dir": out,
             "trainer.total_steps": 2, "trainer.prompts_per_step": 4, "rollout.n": 4, "rollout.max_new_tokens": 24,
             "actor.lr": 1e-3, "algo.entropy_coef": 0.01, "parallel.device": "cuda", **extra}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           "-m", "sparserl.trainer.grpo", *[f"{k}={v}" for k, v in args.items()]]
-    env_vars = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                "SPARSERL_PROGRESS": "0"}
-    res = subprocess.run(cmd, env=env_vars, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    res = trainer([f"{k}={v}" for k, v in args.items()], torchrun=True)
     assert res.returncode == 0, res.stderr[-4000:]
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
     return metrics, res.stdout + res.stderr
 

@@ -16,11 +16,13 @@ def requests(params, prompts=PROMPTS):
 
 
 def dense_logprobs(model, gen, temperature, top_p=1.0):
-    ids = torch.tensor([gen.prompt_token_ids + gen.token_ids])
+    """The dense forward's processed log-probs of `gen`'s tokens, on the model's device; returned on the CPU."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([gen.prompt_token_ids + gen.token_ids], device=device)
     with torch.no_grad():
         logits = model(ids).logits[0, len(gen.prompt_token_ids) - 1 : -1]
     lp = processed_logprobs(logits, temperature, top_p)
-    return lp.gather(-1, torch.tensor(gen.token_ids)[:, None])[:, 0]
+    return lp.gather(-1, torch.tensor(gen.token_ids, device=device)[:, None])[:, 0].cpu()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
