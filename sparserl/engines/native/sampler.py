@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from sparserl.engines.draw import RowSettings, sample
+from sparserl.engines.draw import RowSettings, sample_chosen
 from sparserl.engines.native.sequence import Sequence
 from sparserl.utils.seed import sample_seed
 
@@ -38,6 +38,5 @@ class Sampler:
         settings = RowSettings.from_rows(
             [(self._seed(s), s.params.temperature, s.params.top_p, s.params.top_k) for s in seqs], logits.device)
         positions = torch.tensor([s.num_cached - 1 for s in seqs], dtype=torch.int64, device=logits.device)
-        tokens, logp = sample(logits, settings, positions)
-        chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+        tokens, chosen = sample_chosen(logits, settings, positions)
         return tokens.tolist(), chosen.tolist()
