@@ -3,7 +3,8 @@
 The draw is `sparserl/engines/draw.py`'s, as in the SGLang engine: one uniform per row, keyed by (the sequence's
 seed `sample_seed(params.seed or the engine seed, the request's seed index or position, sample index)`, the
 logical position of the token that produced the logits), and its inverse CDF. A sequence's draws do not depend
-on which other sequences share its batch, and the whole batch is drawn in a few tensor operations.
+on which other sequences share its batch, and the batch is drawn in a few tensor operations per row chunk
+(`sample_chosen`: only the drawn tokens' log-probs are kept, never the whole (B, V) distribution).
 Left out on purpose: speculative decoding, logit bias.
 """
 from __future__ import annotations
