@@ -28,9 +28,8 @@ rollouts here).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import threading
+from dataclasses import dataclass, replace
 
 import torch
 
