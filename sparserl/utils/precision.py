@@ -43,24 +43,33 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
-def _time_matmuls(dtype: torch.dtype, repeats: int = 3) -> float:
+def _probe_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, k, n = _PROBE_SHAPE
     g = torch.Generator().manual_seed(0)
-    x, w, dy = (torch.randn(*s, generator=g).to(dtype) for s in ((m, k), (n, k), (m, n)))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.nn.functional.linear(x, w)  # forward: x @ w.T
-        dy @ w  # grad of the input
-        dy.t() @ x  # grad of the weight
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return tuple(torch.randn(*s, generator=g).to(dtype) for s in ((m, k), (n, k), (m, n)))
 
 
-def probe_cpu_bf16_speedup() -> float:
-    """fp32 time / bf16 time of the probe (> 1: bf16 is faster)."""
-    _time_matmuls(torch.float32, 1), _time_matmuls(torch.bfloat16, 1)  # warm-up
-    return _time_matmuls(torch.float32) / _time_matmuls(torch.bfloat16)
+def _time_matmuls(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    torch.nn.functional.linear(x, w)  # forward: x @ w.T
+    dy @ w  # grad of the input
+    dy.t() @ x  # grad of the weight
+    return time.perf_counter() - t0
+
+
+def probe_cpu_bf16_speedup(rounds: int = 5) -> float:
+    """fp32 time / bf16 time of the probe (> 1: bf16 is faster): the best of `rounds` runs of each, taken in
+    turns, so that a burst of load on a shared machine slows both sides instead of flipping the answer (timed one
+    dtype after the other, a busy moment once made an AMX CPU's bf16 look 0.71x as fast as fp32 in one call and
+    faster in the next)."""
+    inputs = {dtype: _probe_inputs(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    best = {dtype: float("inf") for dtype in inputs}
+    for round_ in range(rounds + 1):  # round 0 warms both kernels up
+        for dtype, tensors in inputs.items():
+            seconds = _time_matmuls(*tensors)
+            if round_:
+                best[dtype] = min(best[dtype], seconds)
+    return best[torch.float32] / best[torch.bfloat16]
 
 
 def choose_auto(device: torch.device | str, *, native_bf16: bool | None = None, speedup: float | None = None) -> Choice:

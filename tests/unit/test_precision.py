@@ -52,11 +52,14 @@ def test_explicit_values_win(monkeypatch):
     assert (cfg.model.compute_dtype, cfg.rollout.dtype) == ("float16", "float32")
 
 
-def test_defaults_are_auto_and_resolve_to_concrete_dtypes():
+def test_defaults_are_auto_and_resolve_to_concrete_dtypes(monkeypatch):
+    choice = precision.choose_auto("cpu")  # the probe once: two probes on a loaded machine may disagree
+    assert choice.dtype in ("bfloat16", "float32")
+    monkeypatch.setattr(precision, "choose_auto", lambda device: choice)
     cfg = load_config([])
     assert cfg.model.compute_dtype == cfg.rollout.dtype == "auto"
     resolve_precision(cfg, torch.device("cpu"))
-    assert cfg.model.compute_dtype == cfg.rollout.dtype == precision.choose_auto("cpu").dtype
+    assert cfg.model.compute_dtype == cfg.rollout.dtype == choice.dtype
 
 
 def test_threads(monkeypatch):
