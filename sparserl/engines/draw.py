@@ -19,17 +19,15 @@ tokens.
 
 No device-to-host synchronization: the per-row settings come from the host (`RowSettings.from_rows`, built
 from the requests' parameters), and the keys are a few integer kernels over (B,) tensors. Cost per step at
-batch 64 over SmolLM2's 49152 tokens on a 2-core CPU: ~10-15 ms in one pass (exp, cumulative sum, search), ~6-7 ms
-through `sample_chosen`'s cache-sized row chunks, against ~50 ms for 64 seeded vocabulary-sized draws and the
-exponential race over them.
+batch 64 over SmolLM2's 49152 tokens on a 2-core CPU: ~10 ms (exp, cumulative sum, search), against ~50 ms for
+64 seeded vocabulary-sized draws and the exponential race over them.
 
 Pure tensor code, no sglang import. Left out on purpose: min-p, penalties and logit bias (not part of RL
 rollouts here).
 """
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -75,34 +73,11 @@ def row_uniform(keys: torch.Tensor) -> torch.Tensor:  # (B,) float64 in (0, 1)
 
 def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # (B, V), (B,) -> (B,) int64
     """The first index whose cumulative probability exceeds u x (the row's total); -inf entries are never taken."""
-    p, cdf = _workspace(logp)
-    torch.exp(logp, out=p)
-    cdf.copy_(p).cumsum_(dim=-1)
+    cdf = logp.exp().to(torch.float64).cumsum_(dim=-1)
     total = cdf[:, -1:]
     # u x total may round up to the total itself: the largest double below it keeps the draw on a token with mass.
     target = torch.minimum(u.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True)[:, 0]
-
-
-# On a CPU the draw's temporaries (the probabilities, their float64 cumulative sum) are reused from one call to
-# the next instead of made fresh, when they are small: `sample_chosen`'s row chunks (a few MB at most, per
-# thread, so engines in two threads never share one). A fresh (64, 49152) float64 tensor faults in all of its
-# pages at every decode step under the entry points' allocator (utils/memory.py: every tensor of 1 MiB or more
-# its own mapping). Larger calls and accelerators allocate as usual.
-_CPU_WORKSPACE = threading.local()
-_WORKSPACE_MAX_ELEMENTS = 1 << 20
-CPU_CHUNK_BYTES = 512 << 10  # float32 logits per row chunk of `sample_chosen` on a CPU: it stays in the core's L2
-
-
-def _workspace(logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    n, vocab = logp.shape
-    if logp.device.type != "cpu" or n * vocab > _WORKSPACE_MAX_ELEMENTS:
-        return torch.empty_like(logp), torch.empty(logp.shape, dtype=torch.float64, device=logp.device)
-    held = getattr(_CPU_WORKSPACE, "buffers", None)
-    if held is None or held[0].dtype != logp.dtype or held[0].shape[1] != vocab or held[0].shape[0] < n:
-        held = _CPU_WORKSPACE.buffers = (torch.empty((n, vocab), dtype=logp.dtype),
-                                         torch.empty((n, vocab), dtype=torch.float64))
-    return held[0][:n], held[1][:n]
 
 
 @dataclass(frozen=True)
@@ -129,12 +104,6 @@ class RowSettings:
                    all(t == 0 for t in temp), any(p < 1.0 or k > 0 for p, k in zip(top_p, top_k)),
                    any(t == 0 for t in temp), float(temp[0]) if temp and len(set(temp)) == 1 else None)
 
-    def rows(self, start: int, end: int) -> "RowSettings":
-        """The settings of rows [start, end); the host facts stay the whole batch's, so a row is transformed the
-        same way whichever slice it is drawn in."""
-        return replace(self, temperature=self.temperature[start:end], top_p=self.top_p[start:end],
-                       top_k=self.top_k[start:end], seeds=self.seeds[start:end])
-
 
 def sample(
     logits: torch.Tensor,  # (B, V) raw logits
@@ -151,28 +120,3 @@ def sample(
     if not s.any_greedy:
         return drawn, logp
     return torch.where(s.temperature == 0, logp.argmax(dim=-1), drawn), logp
-
-
-def sample_chosen(
-    logits: torch.Tensor,  # (B, V) raw logits
-    settings: RowSettings,
-    positions: torch.Tensor,  # (B,)
-) -> tuple[torch.Tensor, torch.Tensor]:  # tokens (B,) int64, their processed log-probs (B,) float32
-    """`sample` for callers that need only the drawn tokens' log-probs (the native engine). On a CPU the rows go
-    through in chunks of `CPU_CHUNK_BYTES` of logits, so the transform and the draw work in the core's cache and
-    the (B, V) log-probs are never made whole; every row's token and log-prob are exactly `sample`'s (each is a
-    function of its own row: tests/unit/test_draw.py). Measured at batch 64 x 49152 tokens, fp32, on a 2-core
-    Xeon under the entry points' allocator: ~6.5 ms a step against ~15 ms for `sample` and a gather."""
-    B, vocab = logits.shape
-    if B == 0:
-        return torch.empty(0, dtype=torch.int64, device=logits.device), torch.empty(0, device=logits.device)
-    step = B if logits.device.type != "cpu" else max(1, CPU_CHUNK_BYTES // (4 * vocab))
-    tokens, chosen = [], []
-    for start in range(0, B, step):
-        end = min(B, start + step)
-        drawn, logp = sample(logits[start:end], settings.rows(start, end), positions[start:end])
-        tokens.append(drawn)
-        chosen.append(logp.gather(-1, drawn[:, None])[:, 0])
-    if len(tokens) == 1:
-        return tokens[0], chosen[0]
-    return torch.cat(tokens), torch.cat(chosen)

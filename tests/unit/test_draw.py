@@ -2,8 +2,7 @@
 import torch
 
 from sparserl.model.sampling import processed_logprobs
-from sparserl.engines import draw
-from sparserl.engines.draw import RowSettings, inverse_cdf, row_keys, row_uniform, sample, sample_chosen
+from sparserl.engines.draw import RowSettings, inverse_cdf, row_keys, row_uniform, sample
 from sparserl.utils.host_syncs import HostSyncs
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, -3.0]])
@@ -77,43 +76,6 @@ def test_row_uniform_is_uniform_and_uncorrelated_across_positions():
     assert torch.corrcoef(torch.stack([u, other]))[0, 1].abs() < 0.02
 
 
-def test_chunked_draw_gives_each_row_exactly_the_whole_batch_draw(monkeypatch):
-    """The native engine's `sample_chosen` works through row chunks with reused buffers: every token and every
-    log-prob must be bit-identical to `sample` over the whole batch, for any chunk size, with mixed greedy,
-    temperature, top-p and top-k rows and buffers left over from calls of other shapes."""
-    torch.manual_seed(0)
-    logits = torch.randn(13, 5000) * 4
-    rows = [(100 + i, [0.0, 0.7, 1.0, 1.3][i % 4], 0.9 if i % 3 == 0 else 1.0, 7 if i % 5 == 1 else 0) for i in range(13)]
-    s = RowSettings.from_rows(rows, "cpu")
-    positions = torch.arange(13) * 3 + 5
-    ref_tokens, ref_logp = sample(logits, s, positions)
-    ref_chosen = ref_logp.gather(-1, ref_tokens[:, None])[:, 0]
-    for rows_per_chunk in [1, 2, 5, 13]:
-        monkeypatch.setattr(draw, "CPU_CHUNK_BYTES", 4 * 5000 * rows_per_chunk)
-        sample_chosen(torch.randn(3, 7000), RowSettings.from_rows(rows[:3], "cpu"), positions[:3])  # other shape
-        tokens, chosen = sample_chosen(logits, s, positions)
-        assert torch.equal(tokens, ref_tokens) and torch.equal(chosen, ref_chosen), rows_per_chunk
-    uniform = [(r[0], 1.0, 1.0, 0) for r in rows]  # the shared-temperature path
-    t_all, lp_all = sample(logits, RowSettings.from_rows(uniform, "cpu"), positions)
-    tokens, chosen = sample_chosen(logits, RowSettings.from_rows(uniform, "cpu"), positions)
-    assert torch.equal(tokens, t_all) and torch.equal(chosen, lp_all.gather(-1, t_all[:, None])[:, 0])
-    empty = sample_chosen(logits[:0], RowSettings.from_rows([], "cpu"), positions[:0])
-    assert empty[0].shape == (0,) and empty[1].shape == (0,)
-
-
-def test_inverse_cdf_reuses_its_cpu_buffers_without_mixing_calls():
-    logp = torch.log_softmax(torch.randn(4, 600), -1)
-    u = torch.tensor([0.1, 0.4, 0.7, 0.95], dtype=torch.float64)
-    cdf = logp.exp().double().cumsum(-1)
-    expected = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)[:, 0]
-    first = inverse_cdf(logp, u)
-    inverse_cdf(torch.log_softmax(torch.randn(2, 600), -1), u[:2])  # overwrites the buffers' first rows
-    assert torch.equal(first, expected) and torch.equal(inverse_cdf(logp, u), first)
-    buffers = draw._CPU_WORKSPACE.buffers
-    inverse_cdf(logp[:3], u[:3])
-    assert draw._CPU_WORKSPACE.buffers is buffers  # a smaller call takes views of the same buffers
-
-
 def test_draw_and_transform_make_no_host_syncs():
     logits = torch.randn(8, 300)
     rows = [(i, 1.0 if i % 3 else 0.0, 0.9 if i % 2 else 1.0, 5 if i == 4 else 0) for i in range(8)]
@@ -121,7 +83,6 @@ def test_draw_and_transform_make_no_host_syncs():
     positions = torch.arange(8) + 40
     with HostSyncs() as syncs:
         sample(logits, s, positions)
-        sample_chosen(logits, s, positions)
         processed_logprobs(logits, 0.7, 0.95, 20)  # the actor's call: scalar settings
         processed_logprobs(logits, 1.0)
         processed_logprobs(logits, s.temperature, s.top_p, s.top_k)  # tensors without a hint: filters every row

@@ -3,15 +3,14 @@
 The draw is `sparserl/engines/draw.py`'s, as in the SGLang engine: one uniform per row, keyed by (the sequence's
 seed `sample_seed(params.seed or the engine seed, the request's seed index or position, sample index)`, the
 logical position of the token that produced the logits), and its inverse CDF. A sequence's draws do not depend
-on which other sequences share its batch, and the batch is drawn in a few tensor operations per row chunk
-(`sample_chosen`: only the drawn tokens' log-probs are kept, never the whole (B, V) distribution).
+on which other sequences share its batch, and the whole batch is drawn in a few tensor operations.
 Left out on purpose: speculative decoding, logit bias.
 """
 from __future__ import annotations
 
 import torch
 
-from sparserl.engines.draw import RowSettings, sample_chosen
+from sparserl.engines.draw import RowSettings, sample
 from sparserl.engines.native.sequence import Sequence
 from sparserl.utils.seed import sample_seed
 
@@ -39,5 +38,6 @@ class Sampler:
         settings = RowSettings.from_rows(
             [(self._seed(s), s.params.temperature, s.params.top_p, s.params.top_k) for s in seqs], logits.device)
         positions = torch.tensor([s.num_cached - 1 for s in seqs], dtype=torch.int64, device=logits.device)
-        tokens, chosen = sample_chosen(logits, settings, positions)
+        tokens, logp = sample(logits, settings, positions)
+        chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
         return tokens.tolist(), chosen.tolist()
