@@ -111,6 +111,22 @@ def matmul_floor(model, rows: list[int], head_rows: list[int], repeats: int = 5)
     return _best_mm_seconds([(rand(m, w.shape[1]), w.t()) for w, m in plan], repeats)
 
 
+def packed_matmul_floor(model, m: int, repeats: int = 5) -> float:
+    """`matmul_floor(model, [m], [m])` with every weight packed for M = m rows first (MKL's packed float32 GEMM, what
+    the native engine's decode steps run with `rollout.prepack`; engines/native/prepack.py). Needs float32 on CPU."""
+    head, linears = _linear_weights(model)
+    rand = _random_inputs(head)
+    calls = [(rand(m, w.shape[1]), torch.ops.mkl._mkl_reorder_linear_weight(w, m), w) for w in linears + [head]]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first run warms the BLAS up
+            t0 = time.perf_counter()
+            for x, packed, w in calls:
+                torch.ops.mkl._mkl_linear(x, packed, w, None, m)
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def train_matmul_floor(model, micro_batches: list[tuple[int, int]], chunk_rows: int, recompute: bool,
                        repeats: int = 3) -> float:
     """Seconds for the GEMMs of a forward+backward over packed micro-batches, back to back and nothing else.

@@ -4,6 +4,7 @@ the matmul floor they are measured against.
     python benchmarks/rollout_throughput.py --batch 8 64 --new-tokens 128 --dtype float32
     python benchmarks/rollout_throughput.py --engine native sglang   # in an environment with SGLang (docs/sglang.md)
     python benchmarks/rollout_throughput.py --engine native native:gather   # rollout.decode_cache auto (default) / off
+    python benchmarks/rollout_throughput.py --engine native native:plain    # rollout.prepack auto (default) / off
     python benchmarks/rollout_throughput.py --quantization none int8 --batch 1 16 64 --new-tokens 64
 
 `--quantization` compares quantized native engines instead (docs/quantization.md): new tokens/s per batch
@@ -18,7 +19,10 @@ with nothing else: the prompts' prefill (every linear layer but the LM head at M
 packed as the engine packs them, the LM head at M = the batch) then `new_tokens - 1` decode steps (every linear
 layer at M = the batch). `floor tok/s` is new tokens over that time; `decode` columns count only the decode steps
 (the native engine's: `generate` of `new_tokens` minus `generate` of 1 token, the prefill's share). Attention,
-norms, RoPE, activations and sampling are outside the floor, so no engine reaches it.
+norms, RoPE, activations and sampling are outside the floor, so no engine reaches it. In float32 on CPU the table
+also prints `packed floor decode tok/s`: the decode step's GEMMs with every weight packed for M = the batch first
+(`benchmarks/common.py::packed_matmul_floor`), the faster GEMMs the native engine's decode steps run with
+`rollout.prepack` (engines/native/prepack.py), and each engine's decode rate as a share of it.
 
 All sample at temperature 1 and ignore EOS, so every sequence produces exactly `--new-tokens` tokens and
 the two engines do the same useful work. The `eos` rows let sequences stop at EOS (capped at the same
@@ -34,7 +38,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import bench_device, gsm8k_prompts, machine, matmul_floor, print_table, sync  # noqa: E402
+from benchmarks.common import (bench_device, gsm8k_prompts, machine, matmul_floor, packed_matmul_floor,  # noqa: E402
+                               print_table, sync)
+from sparserl.engines.native.prepack import prepack_available  # noqa: E402
 from sparserl.actor.hf import load_model, load_tokenizer, resolve_model_path  # noqa: E402
 from sparserl.utils import precision  # noqa: E402
 from sparserl.engines.native.engine import NativeEngine  # noqa: E402
@@ -157,9 +163,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--modes", nargs="+", default=["fixed"], choices=["fixed", "eos"])
-    ap.add_argument("--engine", nargs="+", default=["native"], choices=["native", "native:gather", "sglang"],
-                help="native: the engine's defaults (rollout.decode_cache=auto: contiguous decode K/V copies on CPU); "
-                     "native:gather: rollout.decode_cache=off (decode gathers every sequence's K/V per layer)")
+    ap.add_argument("--engine", nargs="+", default=["native"], choices=["native", "native:gather", "native:plain", "sglang"],
+                help="native: the engine's defaults (rollout.decode_cache=auto: contiguous decode K/V copies on CPU; "
+                     "rollout.prepack=auto: float32 CPU weights packed for the decode batch); "
+                     "native:gather: rollout.decode_cache=off (decode gathers every sequence's K/V per layer); "
+                     "native:plain: rollout.prepack=off (plain GEMMs)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--quantization", nargs="+", default=[],
                     help="compare native engines with these rollout.quantization values (none, int8, int8:dequant, w8a8, fp8)")
@@ -177,12 +185,14 @@ def main() -> None:
     engines = {}
     for name in [e for e in args.engine if e.startswith("native")]:
         engines[name] = NativeEngine(load_model(args.model, args.dtype, args.device), tokenizer, num_slots=max(args.batch) * 512,
-                                     max_batch_tokens=MAX_BATCH_TOKENS, decode_cache="off" if name == "native:gather" else "auto")
+                                     max_batch_tokens=MAX_BATCH_TOKENS, decode_cache="off" if name == "native:gather" else "auto",
+                                     prepack="off" if name == "native:plain" else "auto")
     if "sglang" in args.engine:
         engines["sglang"] = start_sglang(args.model, args.dtype, max(args.batch), tokenizer)
     print(f"machine: {machine()}\nmodel: {args.model} ({args.dtype}), {args.new_tokens} new tokens\n")
     for engine in engines.values():
         engine_generate(engine, gsm8k_prompts(tokenizer, 2), 4, True)  # warm-up
+    packed_floor = args.device.type == "cpu" and args.dtype in ("float32", "fp32") and prepack_available()
     rows = []
     for mode in args.modes:
         for b in args.batch:
@@ -198,22 +208,30 @@ def main() -> None:
                     n, dt = fn()
                     best[name] = min(best.get(name, (float("inf"), 0)), (dt, n))
             prefill_s, step_s = floors(model, prompts, args.new_tokens, MAX_BATCH_TOKENS)
+            packed_s = packed_matmul_floor(model, b) if packed_floor else float("nan")
             floor_s = prefill_s + (args.new_tokens - 1) * step_s
             hf_rate = best["hf"][1] / best["hf"][0]
-            row = [mode, b, sum(map(len, prompts)), f"{b * args.new_tokens / floor_s:.1f}", f"{b / step_s:.1f}",
-                   f"{hf_rate:.1f}"]
+            row = [mode, b, sum(map(len, prompts)), f"{b * args.new_tokens / floor_s:.1f}", f"{b / step_s:.1f}"]
+            row += [f"{b / packed_s:.1f}"] if packed_floor else []
+            row += [f"{hf_rate:.1f}"]
             for name in engines:
                 (dt, n), (dt1, n1) = best[name], best[name + ":1"]
                 rate = n / dt
                 decode = (n - n1) / (dt - dt1) if ignore else float("nan")
                 row += [f"{rate:.1f}", f"{rate * floor_s / (b * args.new_tokens):.0%}", f"{decode:.1f}",
-                        f"{decode * step_s / b:.0%}", f"{rate / hf_rate:.2f}x"]
+                        f"{decode * step_s / b:.0%}"]
+                row += [f"{decode * packed_s / b:.0%}"] if packed_floor else []
+                row += [f"{rate / hf_rate:.2f}x"]
             rows.append(row)
             print(rows[-1], flush=True)
     print()
-    headers = ["mode", "batch", "prompt tokens", "floor tok/s", "floor decode tok/s", "hf tok/s"]
+    headers = ["mode", "batch", "prompt tokens", "floor tok/s", "floor decode tok/s"]
+    headers += ["packed floor decode tok/s"] if packed_floor else []
+    headers += ["hf tok/s"]
     for name in engines:
-        headers += [f"{name} tok/s", "of floor", f"{name} decode tok/s", "of decode floor", f"{name} / hf"]
+        headers += [f"{name} tok/s", "of floor", f"{name} decode tok/s", "of decode floor"]
+        headers += ["of packed decode floor"] if packed_floor else []
+        headers += [f"{name} / hf"]
     print_table(headers, rows)
     for engine in engines.values():
         if hasattr(engine, "close"):

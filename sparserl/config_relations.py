@@ -69,6 +69,21 @@ def _quantization_device(cfg) -> None:
         raise ConfigError(f"rollout.quantization={q} is not supported with parallel.device=cpu: {why}")
 
 
+def _prepack_applies(cfg) -> None:
+    # What is known only once the model and device are (rollout.dtype=auto, parallel.device=auto) is checked again
+    # where the engine starts (engines/native/prepack.py resolve_prepack).
+    r = cfg.rollout
+    if r.prepack != "on":
+        return
+    why = ("it packs the native engine's GEMMs" if r.engine != "native" else
+           "MKL's packed GEMM is a CPU kernel" if cfg.parallel.device == "cuda" else
+           "it packs float32 weights" if r.dtype not in ("auto", "float32", "fp32") else
+           "quantized layers have their own kernels" if r.quantization != "none" else "")
+    if why:
+        raise ConfigError(f"rollout.prepack=on with rollout.engine={r.engine}, parallel.device={cfg.parallel.device}, "
+                          f"rollout.dtype={r.dtype}, rollout.quantization={r.quantization}: {why}; use auto or off")
+
+
 def _sglang_tp_shares_heads(cfg) -> None:
     kv = cfg.rollout.kv
     if cfg.rollout.engine == "sglang" and cfg.parallel.tp > 1 and kv.algorithm != "none" and kv.share != "head":
@@ -144,5 +159,6 @@ def _openreward(cfg) -> None:
 
 # Checks relating keys of different groups: fn(cfg), run by check_config after every group.
 CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (_dual_clip_is_ppo, _nccl_needs_cuda, _quantization_device,
+                                                   _prepack_applies,
                                                    _sglang_tp_shares_heads, _overlong_fits,
                                                    _auto_budget_engine, _lora_dropout_tp, _cp_engine, _rescue_dense, _openreward)

@@ -44,7 +44,8 @@ def native_options(cfg: Config, num_slots: int) -> NativeOptions:
     r = cfg.rollout
     return NativeOptions(num_slots=num_slots, max_num_seqs=r.max_num_seqs, max_batch_tokens=r.max_batch_tokens,
                          kv=r.kv.with_budget(), release_weights=r.release_weights, quantization=r.quantization,
-                         quantize_lm_head=r.quantize_lm_head, rescore_seqs=r.rescore_seqs, decode_cache=r.decode_cache)
+                         quantize_lm_head=r.quantize_lm_head, rescore_seqs=r.rescore_seqs, decode_cache=r.decode_cache,
+                         prepack=r.prepack)
 
 
 def sglang_options(cfg: Config, device: torch.device | str = "cpu", num_slots: int = 0) -> SGLangOptions:

@@ -36,6 +36,7 @@ from sparserl.engines.protocol import EngineStats, register_engine
 from sparserl.engines.native import rescore
 from sparserl.engines.native.compressor import Compressor
 from sparserl.engines.native.decode_cache import resolve_decode_cache
+from sparserl.engines.native.prepack import resolve_prepack
 from sparserl.engines.native.options import NativeOptions
 from sparserl.engines.native.runner import ModelRunner
 from sparserl.engines.native.sampler import Sampler
@@ -71,8 +72,10 @@ class NativeEngine:
         self.tokenizer = tokenizer
         # True: sleep() also drops the weights (the actor pushes fresh ones after every update anyway).
         self.release_weights = o.release_weights
+        param = next(model.parameters())
         self.runner = ModelRunner(model, o.num_slots, o.quantization, o.quant_kernel, o.quantize_lm_head,
-                                  resolve_decode_cache(o.decode_cache, next(model.parameters()).device))
+                                  resolve_decode_cache(o.decode_cache, param.device),
+                                  resolve_prepack(o.prepack, param.device, param.dtype, o.quantization))
         self.quantization = o.quantization
         # Measure-only: sequences per generate() re-scored with a dense cache (rollout/kv_mismatch_kl).
         self.rescore_seqs = o.rescore_seqs

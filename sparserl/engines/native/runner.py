@@ -11,6 +11,7 @@ import torch
 
 from sparserl.model.attention import ForwardContext, Span, forward_context, use_packed_attention
 from sparserl.engines.native.decode_cache import DecodeCache
+from sparserl.engines.native.prepack import Prepacker
 from sparserl.engines.native.quantize import QuantizedWeights, quantize_model, weights_nbytes
 from sparserl.engines.native.scheduler import ScheduledBatch
 from sparserl.engines.native.sequence import Sequence
@@ -87,7 +88,7 @@ class SlotTable:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int, quantization: str = "none", quant_kernel: str = "auto",
-                 quantize_lm_head: bool = False, decode_cache: bool = False) -> None:
+                 quantize_lm_head: bool = False, decode_cache: bool = False, prepack: bool = False) -> None:
         self.model = model.eval()
         use_packed_attention(self.model)
         # Linear layers swapped for quantized ones (rollout.quantization); None keeps the rollout dtype.
@@ -96,6 +97,8 @@ class ModelRunner:
             self.quant = quantize_model(self.model, quantization, quant_kernel, quantize_lm_head)
         self.weight_bytes = self.quant.weight_bytes if self.quant is not None else weights_nbytes(self.model)
         self.float_weight_bytes = self.quant.float_bytes if self.quant is not None else self.weight_bytes
+        # Linear weights also packed for the decode batch's GEMMs (rollout.prepack; prepack.py); None = plain GEMMs.
+        self.prepacker = Prepacker(self.model) if prepack else None
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(model.config)
@@ -169,13 +172,19 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, on_queries=None) -> torch.Tensor:
         """Runs the batch; returns float32 logits (len(decode) + len(prefill), V) in that order."""
         ctx, ids, pos, keep = self.build_context(batch, on_queries)
-        with forward_context(ctx):
-            out = self.model(
-                input_ids=self._tensor(ids)[None],
-                position_ids=self._tensor(pos)[None],
-                use_cache=False,
-                logits_to_keep=self._tensor(keep),
-            )
+        if self.prepacker is not None:
+            self.prepacker.prepare(0 if batch.prefill else len(batch.decode))
+        try:
+            with forward_context(ctx):
+                out = self.model(
+                    input_ids=self._tensor(ids)[None],
+                    position_ids=self._tensor(pos)[None],
+                    use_cache=False,
+                    logits_to_keep=self._tensor(keep),
+                )
+        finally:
+            if self.prepacker is not None:
+                self.prepacker.disarm()
         logits = out.logits[0].float()  # (rows, V)
         self.copy_forks(batch.forks)
         return logits
@@ -192,6 +201,8 @@ class ModelRunner:
 
     def release_weights(self) -> None:
         """Drop the parameters' storage while the actor trains; `load_weights` allocates it again."""
+        if self.prepacker is not None:
+            self.prepacker.drop()
         for p in self.model.parameters():
             if p.numel():
                 self._released[id(p)] = p.shape

@@ -1,0 +1,110 @@
+"""`rollout.prepack`: linear weights packed for the decode batch change nothing but speed and memory.
+
+The engine scenarios run twice on the same tiny fp32 model, packing on and off, and must give the same tokens and
+log-probs: a batch that shrinks as sequences finish at EOS (packed again as it shrinks, zero-padded in between,
+plain GEMMs below 16 rows and for prefill forwards), and weights that change under the packed copies (a sync).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparserl.engines.native.engine import NativeEngine
+from sparserl.engines.native.prepack import MIN_ROWS, PackedLinear, Prepacker, prepack_available, resolve_prepack
+from sparserl.engines.types import GenerationRequest, SamplingParams
+from sparserl.utils.errors import UserError
+from tests.conftest import tiny_model
+
+pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch has no MKL packed GEMM")
+
+PROMPTS = [[1, 5, 7, 9, 3], [2, 8], [4, 4, 4, 4, 4, 4, 4, 4, 4, 10, 11, 12, 13], [6], [9, 8, 7, 6, 5, 4, 3],
+           [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        torch.testing.assert_close(torch.tensor(x.logp_sparse), torch.tensor(y.logp_sparse), rtol=0, atol=1e-5)
+
+
+def requests(n=4, tokens=24):
+    return [GenerationRequest(p, SamplingParams(temperature=1.0, max_new_tokens=tokens + 2 * i, seed=i, n=n), i)
+            for i, p in enumerate(PROMPTS)]
+
+
+def engine(setting, model=None, **kw):
+    return NativeEngine(model or tiny_model("llama"), num_slots=4096, prepack=setting, **kw)
+
+
+def test_shrinking_batch_same_tokens_and_logprobs():
+    # 24 sequences; EOS ends them at different steps, so the decode batch shrinks from 24 through 16 and below.
+    reqs = requests()
+    eos = [7, 9, 11]
+    on_engine = engine("on", eos_token_ids=eos)
+    on, off = on_engine.generate(reqs), engine("off", eos_token_ids=eos).generate(reqs)
+    assert_same(on, off)
+    lengths = sorted(len(g.token_ids) for g in on)
+    assert lengths[0] < lengths[len(lengths) // 2] < lengths[-1], "the sequences should end at different steps"
+    p = on_engine.runner.prepacker
+    assert p.packed_forwards >= 10 and p.packs >= 2, (p.packed_forwards, p.packs)
+    assert engine("off").runner.prepacker is None
+
+
+def test_weights_synced_under_packed_copies():
+    # Pack, then load new weights and release/reload them: the next decode must use the new weights.
+    reqs = requests(n=3, tokens=12)
+    on_engine, off_engine = engine("on", eos_token_ids=[]), engine("off", eos_token_ids=[])
+    assert_same(on_engine.generate(reqs), off_engine.generate(reqs))
+    assert on_engine.runner.prepacker.nbytes > 0
+    torch.manual_seed(1)
+    new = [(n, p.detach() + 0.05 * torch.randn_like(p)) for n, p in tiny_model("llama").named_parameters()]
+    on_engine.runner.release_weights()
+    assert on_engine.runner.prepacker.nbytes == 0, "released weights drop their packed copies"
+    for e in (on_engine, off_engine):
+        e.update_weights(new)
+    after_on, after_off = on_engine.generate(reqs), off_engine.generate(reqs)
+    assert_same(after_on, after_off)
+    # And an in-place change without a release (the version counter marks the packing stale).
+    with torch.no_grad():
+        for e in (on_engine, off_engine):
+            e.runner.model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+    assert_same(on_engine.generate(reqs), off_engine.generate(reqs))
+
+
+def test_packed_linear_padding_and_fallback():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 40, bias=True))
+    layer = model[0]
+    packer = Prepacker(model)
+    assert isinstance(layer, PackedLinear) and list(dict(model.named_parameters())) == ["0.weight", "0.bias"]
+    packer.prepare(32)
+    assert packer.armed and packer.rows == 32
+    for rows in (28, 30, 32):  # 7/8 of 32 .. 32: the packing serves them, padded
+        x = torch.randn(1, rows, 48)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=0, atol=1e-6)
+    packer.prepare(30)
+    assert packer.rows == 32 and packer.packs == 1, "a batch within 7/8 reuses the packing"
+    packer.prepare(20)
+    assert packer.rows == 20 and packer.packs == 2
+    x = torch.randn(33, 48)  # rows the packing does not serve: the plain GEMM, exactly
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    packer.prepare(MIN_ROWS - 1)
+    assert not packer.armed
+    packer.disarm()
+    x = torch.randn(20, 48)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_setting_resolution():
+    cpu = torch.device("cpu")
+    assert resolve_prepack("auto", cpu, torch.float32, "none") is True
+    assert resolve_prepack("auto", cpu, torch.bfloat16, "none") is False
+    assert resolve_prepack("auto", cpu, torch.float32, "int8") is False
+    assert resolve_prepack("auto", torch.device("cuda"), torch.float32, "none") is False
+    assert resolve_prepack("off", cpu, torch.float32, "none") is False
+    with pytest.raises(UserError, match="rollout.prepack=on needs a CPU engine in float32"):
+        resolve_prepack("on", cpu, torch.bfloat16, "none")
+    with pytest.raises(ValueError, match="auto, on or off"):
+        resolve_prepack("yes", cpu, torch.float32, "none")
+    # A bf16 engine resolves auto to plain GEMMs.
+    assert engine("auto", tiny_model("llama", dtype=torch.bfloat16)).runner.prepacker is None
