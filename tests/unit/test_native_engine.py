@@ -204,3 +204,25 @@ def test_bf16_runs_and_tracks_fp32():
     for g in gens:
         assert (dense_logprobs(ref, g, 1.0) - torch.tensor(g.logp_sparse)).abs().max() < 0.1
     assert engine.stats().kv_bytes_per_slot == 2 * 2 * 2 * 16 * 2  # K+V, layers, kv heads, head dim, bf16
+
+
+@pytest.mark.parametrize("decode_cache", ["on", "off"])
+def test_unwritten_pool_slots_are_never_read(decode_cache):
+    # On CPU the KV pool is allocated without zero-filling (resident memory follows the slots in use), so its
+    # unwritten slots hold whatever the memory held. Fill every slot but slot 0 with NaN, as recycled memory could
+    # be, and run sequences that finish at different steps (row reuse, padded decode gathers): the tokens and
+    # log-probs must equal those of an engine whose pool is all zeros.
+    reqs = [GenerationRequest(p, SamplingParams(temperature=1.0, max_new_tokens=10 + 3 * i, seed=i, n=2), i)
+            for i, p in enumerate(PROMPTS)]
+    outs = []
+    for fill in (0.0, float("nan")):
+        engine = NativeEngine(tiny_model("llama"), num_slots=60, eos_token_ids=[7, 9], decode_cache=decode_cache)
+        engine.runner.allocate()
+        for t in engine.runner.k_cache + engine.runner.v_cache:
+            t[1:].fill_(fill)
+            assert torch.count_nonzero(t[0]) == 0, "slot 0 is zeroed: padded decode gathers read it"
+        outs.append(engine.generate(reqs))
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids
+        assert a.logp_sparse == b.logp_sparse
+    assert len({len(g.token_ids) for g in outs[0]}) > 2

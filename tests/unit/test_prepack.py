@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from sparserl.engines.native.engine import NativeEngine
-from sparserl.engines.native.prepack import MIN_ROWS, PackedLinear, Prepacker, prepack_available, resolve_prepack
+from sparserl.engines.native.prepack import (MIN_ROWS, PackedLinear, Prepacker, prepack_available, resolve_prepack,
+                                             serves_from)
 from sparserl.engines.types import GenerationRequest, SamplingParams
 from sparserl.utils.errors import UserError
 from tests.conftest import tiny_model
@@ -37,7 +38,7 @@ def engine(setting, model=None, **kw):
 
 
 def test_shrinking_batch_same_tokens_and_logprobs():
-    # 24 sequences; EOS ends them at different steps, so the decode batch shrinks from 24 through 16 and below.
+    # 24 sequences; EOS ends them at different steps, so the decode batch shrinks from 24 to 4 and below.
     reqs = requests()
     eos = [7, 9, 11]
     on_engine = engine("on", eos_token_ids=eos)
@@ -79,13 +80,16 @@ def test_packed_linear_padding_and_fallback():
     assert isinstance(layer, PackedLinear) and list(dict(model.named_parameters())) == ["0.weight", "0.bias"]
     packer.prepare(32)
     assert packer.armed and packer.rows == 32
-    for rows in (28, 30, 32):  # 7/8 of 32 .. 32: the packing serves them, padded
+    assert serves_from(32) == 28 and serves_from(64) == 56 and serves_from(8) == 4
+    for rows in (28, 30, 32):  # 28..32: the packing serves them, padded
         x = torch.randn(1, rows, 48)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=0, atol=1e-6)
     packer.prepare(30)
-    assert packer.rows == 32 and packer.packs == 1, "a batch within 7/8 reuses the packing"
+    assert packer.rows == 32 and packer.packs == 1, "a batch within the band reuses the packing"
     packer.prepare(20)
     assert packer.rows == 20 and packer.packs == 2
+    packer.prepare(24)
+    assert packer.rows == 24 and packer.packs == 3, "a larger batch is packed for its own size"
     x = torch.randn(33, 48)  # rows the packing does not serve: the plain GEMM, exactly
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     packer.prepare(MIN_ROWS - 1)

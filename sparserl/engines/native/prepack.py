@@ -7,16 +7,18 @@ packed layout is made for one M: torch runs the packed GEMM only when the input 
 falls back to the plain one otherwise.
 
 So the engine packs for the decode batch it runs. Before each forward the runner calls `prepare(rows)` with the
-rows of a decode-only forward (0 for a forward with prefill rows: those keep the plain GEMMs). A batch of `rows`
-uses the weights packed for P rows when 7/8 P <= rows <= P, its input zero-padded to P rows (each output row of a
-GEMM depends only on its own input row, so the padding changes nothing but time); otherwise everything is packed
-again for `rows` (~0.1-0.2 s for SmolLM2-135M, about one decode step). A batch that shrinks from 64 to 16 rows
-as sequences finish repacks about 11 times. Below 16 rows the gain is small and the plain GEMMs run.
+rows of a decode-only forward (0 for a forward with prefill rows: those keep the plain GEMMs). A packing for P rows
+serves batches of P - max(P // 8, 4) to P rows, their input zero-padded to P rows (each output row of a GEMM
+depends only on its own input row, so the padding changes nothing but time); a batch outside that band is packed
+again for its own size (~0.1-0.2 s for SmolLM2-135M, about one decode step). A batch that shrinks from 64 rows to 4
+as sequences finish repacks about 12 times. Under 4 rows MKL runs matrix-vector kernels that gain nothing from
+packing, and the plain GEMMs run.
 
-Measured on a 2-core AVX-512 Xeon (SmolLM2-135M's linear layers, fp32, back to back): 1.2-1.3x at 48-128 rows,
-1.1x at 16. Results agree with the plain GEMM to float32 rounding (the same kernels, a different blocking: at most
-a few ulps, and bit-identical for most shapes). Cost: the packed copy holds the linear weights a second time
-(the embeddings excepted), dropped with the engine's weights (`release_weights`) and packed again after a sync.
+Measured on a 2-core AVX-512 Xeon (SmolLM2-135M's linear layers and LM head, fp32, back to back, exact M): 1.3-1.6x
+at 4-24 rows, 1.2-1.3x at 32-256, none at 1-3. Results agree with the plain GEMM to float32 rounding (the same
+kernels, a different blocking: at most a few ulps, bit-identical for most shapes). Cost: the packed copy holds the
+linear weights a second time (the embeddings excepted), dropped with the engine's weights (`release_weights`) and
+packed again after a sync.
 """
 from __future__ import annotations
 
@@ -24,8 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MIN_ROWS = 16  # below this the packed GEMM gains little
-REUSE = 7 / 8  # a packing for P rows serves batches of ceil(REUSE * P)..P rows (zero-padded)
+MIN_ROWS = 4  # below this MKL runs matrix-vector kernels and packing gains nothing
+
+
+def serves_from(packed_rows: int) -> int:
+    """The fewest rows a packing for `packed_rows` serves (zero-padded): within 1/8 of it, or 4 rows for small ones."""
+    return packed_rows - max(packed_rows // 8, 4)
 
 
 def prepack_available() -> bool:
@@ -85,7 +91,7 @@ class Prepacker:
         self.packed_forwards = 0  # forwards that ran on packed weights
 
     def fits(self, rows: int) -> bool:
-        return 0 < rows <= self.rows and rows >= REUSE * self.rows
+        return 0 < rows <= self.rows and rows >= serves_from(self.rows)
 
     @property
     def nbytes(self) -> int:

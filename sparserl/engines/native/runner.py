@@ -117,8 +117,16 @@ class ModelRunner:
     def allocate(self) -> None:
         if self.k_cache is None:
             shape = (self.num_slots, self.num_kv_heads, self.head_dim)
-            self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            # On CPU the pool is not zero-filled: the pages of slots never handed out are never touched, so resident
+            # memory follows the slots in use (the pool hands out low ids first) instead of the pool's worst-case size.
+            # Every slot is written by the forward it is allocated for before anything reads it; the one read of
+            # slots that may be unwritten is the padding of the gathered decode attention (slot 0, masked out), and
+            # a masked entry must still be finite (0 x NaN is NaN), so slot 0 is zeroed.
+            alloc = torch.empty if self.device.type == "cpu" else torch.zeros
+            self.k_cache = [alloc(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            self.v_cache = [alloc(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            for t in self.k_cache + self.v_cache:
+                t[0].zero_()
 
     def release(self) -> None:
         self.k_cache = self.v_cache = None
