@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparserl.utils.errors import UserError
+
 MIN_ROWS = 4  # below this MKL runs matrix-vector kernels and packing gains nothing
 
 
@@ -47,8 +49,6 @@ def resolve_prepack(setting: str | bool, device: torch.device, dtype: torch.dtyp
         raise ValueError(f"rollout.prepack must be auto, on or off, not {setting!r}")
     applies = device.type == "cpu" and dtype == torch.float32 and quantization == "none" and prepack_available()
     if setting == "on" and not applies:
-        from sparserl.utils.errors import UserError
-
         raise UserError(f"rollout.prepack=on needs a CPU engine in float32 without rollout.quantization and a torch "
                         f"built with MKL (here: {device.type}, {dtype}, quantization={quantization}, "
                         f"MKL {'yes' if prepack_available() else 'no'}); use auto or off")
