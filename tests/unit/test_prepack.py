@@ -112,3 +112,21 @@ def test_setting_resolution():
         resolve_prepack("yes", cpu, torch.float32, "none")
     # A bf16 engine resolves auto to plain GEMMs.
     assert engine("auto", tiny_model("llama", dtype=torch.bfloat16)).runner.prepacker is None
+
+
+def test_a_dropped_engine_is_freed_without_the_garbage_collector():
+    # The packed layers share a state object instead of pointing back at their Prepacker: no reference cycle, so
+    # the weights, their packed copies and the KV pool go as soon as the engine does (not at some later gc pass).
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        e = engine("on", eos_token_ids=[])
+        e.generate(requests(n=4, tokens=6))
+        assert e.runner.prepacker.packs >= 1
+        layer = weakref.ref(e.runner.prepacker.layers[0])
+        del e
+        assert layer() is None
+    finally:
+        gc.enable()

@@ -55,22 +55,35 @@ def resolve_prepack(setting: str | bool, device: torch.device, dtype: torch.dtyp
     return setting == "on" or (setting == "auto" and applies)
 
 
+class PackState:
+    """What the packed layers read at every call: the rows the weights are packed for (0: not packed) and whether
+    the coming forward may use them. Shared by the layers and their `Prepacker`, and referencing neither, so a
+    dropped model is freed at once (no reference cycle left for the garbage collector)."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.armed = False
+
+    def fits(self, rows: int) -> bool:
+        return 0 < rows <= self.rows and rows >= serves_from(self.rows)
+
+
 class PackedLinear(nn.Linear):
     """An `nn.Linear` whose class was switched in place by `Prepacker` (same parameters, names and hooks); its
-    forward takes the packed GEMM while the prepacker is armed for its input's rows."""
+    forward takes the packed GEMM while the shared `PackState` is armed for its input's rows."""
 
-    _prepacker: "Prepacker"
+    _pack_state: PackState
     _packed: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        p = self._prepacker
+        state = self._pack_state
         rows = x.numel() // self.in_features if x.dim() else 0
-        if self._packed is None or not p.armed or not p.fits(rows):
+        if self._packed is None or not state.armed or not state.fits(rows):
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(rows, self.in_features)
-        if rows < p.rows:
-            x2 = F.pad(x2, (0, 0, 0, p.rows - rows))
-        y = torch.ops.mkl._mkl_linear(x2, self._packed, self.weight, self.bias, p.rows)
+        if rows < state.rows:
+            x2 = F.pad(x2, (0, 0, 0, state.rows - rows))
+        y = torch.ops.mkl._mkl_linear(x2, self._packed, self.weight, self.bias, state.rows)
         return y[:rows].view(*x.shape[:-1], self.out_features)
 
 
@@ -78,20 +91,28 @@ class Prepacker:
     """Owns the packed copies of a model's `nn.Linear` weights (see the module docstring)."""
 
     def __init__(self, model: nn.Module) -> None:
+        self.state = PackState()
         self.layers: list[PackedLinear] = []
         for module in model.modules():
             if type(module) is nn.Linear:
                 module.__class__ = PackedLinear
-                module._prepacker, module._packed = self, None
+                module._pack_state, module._packed = self.state, None
                 self.layers.append(module)
-        self.rows = 0  # the M the weights are packed for; 0 = not packed
         self.versions: list[tuple[int, int]] = []  # each weight's (storage, version counter) when it was packed
-        self.armed = False
         self.packs = 0  # times the weights were packed (stats for tests and benchmarks)
         self.packed_forwards = 0  # forwards that ran on packed weights
 
+    @property
+    def rows(self) -> int:
+        """The M the weights are packed for; 0 = not packed."""
+        return self.state.rows
+
+    @property
+    def armed(self) -> bool:
+        return self.state.armed
+
     def fits(self, rows: int) -> bool:
-        return 0 < rows <= self.rows and rows >= serves_from(self.rows)
+        return self.state.fits(rows)
 
     @property
     def nbytes(self) -> int:
@@ -102,11 +123,11 @@ class Prepacker:
         """Arms the packed GEMMs for the next forward when it is `rows` decode rows (0: a forward with prefill),
         packing again when the current packing does not serve that batch or a weight changed since."""
         if rows < MIN_ROWS:
-            self.armed = False
+            self.state.armed = False
             return
         if not self.fits(rows) or self.versions != self._weight_versions():
             self.pack(rows)
-        self.armed = True
+        self.state.armed = True
         self.packed_forwards += 1
 
     def _weight_versions(self) -> list[tuple[int, int]]:
@@ -117,7 +138,7 @@ class Prepacker:
         self.drop()
         for layer in self.layers:
             layer._packed = torch.ops.mkl._mkl_reorder_linear_weight(layer.weight.detach(), rows)
-        self.rows = rows
+        self.state.rows = rows
         self.versions = self._weight_versions()
         self.packs += 1
 
@@ -125,7 +146,7 @@ class Prepacker:
         """Free the packed copies (the engine's weights are being released, or they are stale)."""
         for layer in self.layers:
             layer._packed = None
-        self.rows, self.versions, self.armed = 0, [], False
+        self.state.rows, self.state.armed, self.versions = 0, False, []
 
     def disarm(self) -> None:
-        self.armed = False
+        self.state.armed = False
