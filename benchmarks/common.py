@@ -73,19 +73,26 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_mm_seconds(pairs: list[tuple[torch.Tensor, torch.Tensor]], repeats: int) -> float:
-    """The best of `repeats` runs of `torch.mm(a, b)` over `pairs`, back to back, after one warm-up run."""
+def _best_seconds(run, device: torch.device, repeats: int) -> float:
+    """The best of `repeats` timed calls of `run()` (GEMMs back to back), after one warm-up call."""
     best = float("inf")
-    device = pairs[0][0].device
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first run warms the BLAS up
             sync(device)
             t0 = time.perf_counter()
-            for a, b in pairs:
-                torch.mm(a, b)
+            run()
             sync(device)
             best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _best_mm_seconds(pairs: list[tuple[torch.Tensor, torch.Tensor]], repeats: int) -> float:
+    """The best of `repeats` runs of `torch.mm(a, b)` over `pairs`, back to back, after one warm-up run."""
+    def run():
+        for a, b in pairs:
+            torch.mm(a, b)
+
+    return _best_seconds(run, pairs[0][0].device, repeats)
 
 
 def _random_inputs(like: torch.Tensor):
@@ -117,14 +124,12 @@ def packed_matmul_floor(model, m: int, repeats: int = 5) -> float:
     head, linears = _linear_weights(model)
     rand = _random_inputs(head)
     calls = [(rand(m, w.shape[1]), torch.ops.mkl._mkl_reorder_linear_weight(w, m), w) for w in linears + [head]]
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(repeats + 1):  # the first run warms the BLAS up
-            t0 = time.perf_counter()
-            for x, packed, w in calls:
-                torch.ops.mkl._mkl_linear(x, packed, w, None, m)
-            best = min(best, time.perf_counter() - t0)
-    return best
+
+    def run():
+        for x, packed, w in calls:
+            torch.ops.mkl._mkl_linear(x, packed, w, None, m)
+
+    return _best_seconds(run, head.device, repeats)
 
 
 def train_matmul_floor(model, micro_batches: list[tuple[int, int]], chunk_rows: int, recompute: bool,

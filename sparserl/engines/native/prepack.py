@@ -111,9 +111,6 @@ class Prepacker:
     def armed(self) -> bool:
         return self.state.armed
 
-    def fits(self, rows: int) -> bool:
-        return self.state.fits(rows)
-
     @property
     def nbytes(self) -> int:
         """The packed copies' size, counted as the float32 weights they hold."""
@@ -125,7 +122,7 @@ class Prepacker:
         if rows < MIN_ROWS:
             self.state.armed = False
             return
-        if not self.fits(rows) or self.versions != self._weight_versions():
+        if not self.state.fits(rows) or self.versions != self._weight_versions():
             self.pack(rows)
         self.state.armed = True
         self.packed_forwards += 1
