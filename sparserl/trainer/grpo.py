@@ -68,7 +68,7 @@ def train(cfg: Config) -> None:
     from sparserl.trainer.metrics import gather_step_metrics
     from sparserl.trainer.samples import SampleLog
     from sparserl.utils.logging import log0, progress
-    from sparserl.utils.memory import PhasePeaks, release_free_memory
+    from sparserl.utils.memory import PhasePeaks, release_free_memory, reuse_heap
     from sparserl.utils.errors import RunStopped
     from sparserl.utils.seed import seed_step, set_seed
     from sparserl.utils.timers import Timers
@@ -174,7 +174,7 @@ def train(cfg: Config) -> None:
         """Dynamic sampling's judge under the correction: a round's logp_old, the engine asleep meanwhile."""
         engine.sleep()
         release_free_memory()
-        with timers("old_logprobs"):
+        with timers("old_logprobs"), reuse_heap():
             return actor.logprobs(batch)
 
     def save(step: int) -> None:
@@ -206,12 +206,13 @@ def train(cfg: Config) -> None:
         # 3: logp_old, the dense log-probs of the sampled tokens under the same weights (a separate pass, or nothing
         # yet: then the update's own forward supplies them), and the reference's.
         batch = to_train_batch(samples, info.device, cfg.algo.overlong.mask, step_rollout.logp_old)
-        old_logprobs.compute(batch, timers("old_logprobs"))  # the phase's timer, entered by a separate pass only
+        with reuse_heap():  # the actor's compute: tensors up to 32 MiB reuse heap pages (utils/memory.py)
+            old_logprobs.compute(batch, timers("old_logprobs"))  # the phase's timer, entered by a separate pass only
         # algo.correction.rescue=dense: the sequences the correction rejects, rolled out again densely in their places.
         rescued = rescue.run(samples, batch, step_rollout.keys, partial(redraw, step), actor.logprobs, timers("rescue"))
         samples, batch = rescued.samples, rescued.batch
         if ref is not None:
-            with timers("ref_logprobs"):
+            with timers("ref_logprobs"), reuse_heap():
                 batch.logp_ref = ref.logprobs(batch)
 
         # 4: sparse/dense mismatch correction (or, on the single-update path, inside the update).
@@ -224,7 +225,7 @@ def train(cfg: Config) -> None:
             batch.advantages.fill_(float("nan"))
 
         # 6: the update, sequences first spread so every DP rank trains on the same number of tokens.
-        with timers("update"):
+        with timers("update"), reuse_heap():
             minibatches, balance_metrics = None, {}
             if cfg.actor.balance_ranks:
                 batch, minibatches, balance_metrics = balance_ranks(batch, cfg.actor.updates_per_rollout, actor.dp_group,

@@ -41,6 +41,7 @@ from sparserl.parallel import all_reduce_sum, teardown
 from sparserl.trainer.setup import start_processes
 from sparserl.utils.envload import load_env
 from sparserl.utils.errors import UserError, run_main
+from sparserl.utils.memory import reuse_heap
 from sparserl.utils.logging import MetricsLogger, log0, progress
 from sparserl.utils.seed import set_seed
 
@@ -182,7 +183,8 @@ def train(cfg: Config) -> None:
          f"{cfg.trainer.total_steps} steps, dp={dims.dp} cp={dims.cp} tp={dims.tp}; output: {out.resolve()}")
     stream = batches(len(examples), min(cfg.trainer.prompts_per_step, len(examples)), cfg.trainer.seed, cfg.data.shuffle)
 
-    with progress(cfg.trainer.total_steps, "sft", info.rank, cfg.logger.progress) as bar:
+    # No engine here: the whole run is the actor's compute, so tensors up to 32 MiB reuse heap pages (utils/memory.py).
+    with progress(cfg.trainer.total_steps, "sft", info.rank, cfg.logger.progress) as bar, reuse_heap():
         for step in range(1, cfg.trainer.total_steps + 1):
             t0 = time.perf_counter()
             batch = train_batch([examples[i] for i in share(next(stream), dp_rank, dims.dp)])

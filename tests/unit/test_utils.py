@@ -329,3 +329,45 @@ def test_tune_malloc_gives_tensors_huge_pages_after_the_entry_points_imports():
         assert res.returncode == 0, res.stderr[-2000:]
         out[tune] = res.stdout.split()[-3:]
     assert out == {"1": ["True", "4", "0"], "0": ["False", "0", "0"]}, out
+
+
+def test_reuse_heap_keeps_large_tensors_on_the_heap_inside_and_unmaps_them_after():
+    """Inside `reuse_heap` an 8 MB tensor made and freed again and again reuses the same heap pages (no page faults
+    after the first); outside, before and after, every one is a fresh mapping that faults in, and freed blocks go
+    back to the OS (the threshold is back at 1 MiB)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import resource, torch\n"
+        "from sparserl.utils.memory import reuse_heap, rss_bytes, tune_malloc\n"
+        "assert tune_malloc()\n"
+        "def faults(n=32):\n"
+        "    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "    for _ in range(n):\n"
+        "        a = torch.ones(8 << 20, dtype=torch.uint8); del a\n"
+        "    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0\n"
+        "before = faults()\n"
+        "with reuse_heap():\n"
+        "    faults(2)\n"  # the heap grows once
+        "    inside = faults()\n"
+        "after = faults()\n"
+        "keep = []\n"
+        "base = rss_bytes()\n"
+        "for i in range(64):\n"
+        "    a = torch.ones(8 << 20, dtype=torch.uint8); b = torch.ones(64, dtype=torch.uint8); keep.append(b); del a\n"
+        "print(before, inside, after, (rss_bytes() - base) / 2**20)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "SPARSERL_MALLOC_TUNE")}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    before, inside, after, grown_mb = map(float, res.stdout.split()[-4:])
+    assert before >= 32 and after >= 32, (before, after)  # a fresh mapping faults at least once
+    assert inside < 8, inside
+    assert grown_mb < 4, grown_mb
+    # Untuned (SPARSERL_MALLOC_TUNE=0) glibc is left as it is: reuse_heap changes nothing.
+    res = subprocess.run([sys.executable, "-c", "import sparserl.utils.memory as m\nprint(m.tune_malloc())\n"
+                          "with m.reuse_heap(): pass\nprint(m._tuned)"], capture_output=True, text=True,
+                         env={**env, "SPARSERL_MALLOC_TUNE": "0"}, timeout=120)
+    assert res.returncode == 0 and res.stdout.split()[-2:] == ["False", "False"], res.stderr[-2000:]
