@@ -18,7 +18,9 @@ replaces the head's forward: when the forward context carries a `LogprobHead` (t
 takes the hidden states of the rows that predict response tokens and computes matmul -> sampling transform ->
 gather (+ entropy) `chunk` rows at a time; with autograd on, each chunk is checkpointed (only its input rows are
 kept, and backward recomputes its logits), so the extra memory is O(chunk x V) instead of O(N x V), in the
-forward and in the backward. Outside such a forward the head is the plain linear layer it was.
+forward and in the backward. In the usual case (temperature only, entropy as a metric) the chunks run inside one
+autograd function with a hand-written backward (`_FusedHead`), which reuses one set of chunk buffers.
+Outside such a forward the head is the plain linear layer it was.
 When `parallelize` split the LM head by vocabulary over tp, each chunk's logits are this rank's (c, V/tp)
 slice and the log-probs come from `vocab_parallel_logprobs` (temperature only; top-p / top-k need the full
 vocabulary).
@@ -173,8 +175,9 @@ class _FusedHead(torch.autograd.Function):
     g * (onehot - softmax) / T), with far less memory traffic: every chunk reuses one set of (rows, V) buffers
     instead of allocating ~8 fresh ones (each a page-faulted mapping on CPU), the softmax gradient is formed in
     place, and the weight's gradient accumulates over chunks in one buffer (`addmm_`) instead of one (V, H)
-    tensor per chunk. On a 2-core CPU the head's share of one update went from ~0.5 s to ~0.25 s per 341-row
-    chunk. Not used with top-p / top-k, a vocabulary-split head, a bias, or an entropy with a gradient."""
+    tensor per chunk. Forward+backward of the comparison workload's batch (SmolLM2-135M fp32, 2-core CPU, the
+    trainer's allocator settings) went from 72-75 s to 65-67 s (docs/performance.md). Not used with top-p / top-k,
+    a vocabulary-split head, a bias, or an entropy with a gradient."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, temperature: float, rows: int, with_entropy: bool):

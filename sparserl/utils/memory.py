@@ -31,9 +31,9 @@ largest, 32 MiB, for the duration (and the heap-top trim threshold to 64 MiB, so
 for the next one) and puts both back after (1 MiB, glibc's default 128 KiB), with a `malloc_trim`. The update's tensors are
 mostly 1-32 MB (a 4096-token micro-batch's activations are 7-18 MB), freed and made again layer after layer: on the
 heap they reuse the same pages, where fresh mappings fault in and zero every page each time. Measured on the
-comparison workload (one process, a 2-core Xeon): update 55-59 -> 45 s per step, update peak 3.3 -> 4.3 GB, below
-the rollout's 4.5 GB peak, which keeps the 1 MiB threshold (there the heap raised the peak by ~0.45 GB and
-did not speed decoding up).
+comparison workload (one process, a 2-core Xeon; docs/performance.md): update 55-59 -> 45-50 s per step, update peak
+3.3 -> 3.9-4.3 GB, below the rollout's ~4.5-4.6 GB, which keeps the 1 MiB threshold (32 MiB for the whole run raised
+the rollout's peak to 4.9 GB and did not speed decoding up).
 The native engine's decode steps were not measurably faster with the heap (a 32 MiB threshold while it
 generates): at batch 64 their tensors are mostly below 1 MiB, and the step is its GEMMs and its attention.
 The module imports torch only where CUDA is asked about, so the entry points' start-up (`tune_malloc`) and their
