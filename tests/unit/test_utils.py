@@ -262,13 +262,18 @@ def test_plot_runs_writes_png(tmp_path):
     assert plot.plot_runs(runs, "reward/mean", tmp_path / "z.png", max_step=3).is_file()
 
 
+def _run_tuned(script: str):
+    """`script` in a fresh Python whose glibc the entry points' way would tune (no override in the environment)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "SPARSERL_MALLOC_TUNE")}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res
+
+
 def test_tune_malloc_returns_large_frees_to_the_os(tmp_path):
     """With the fixed mmap threshold, freed 8 MB tensors do not stay resident after a larger one was freed first.
     (Without it, glibc's dynamic threshold moves such sizes onto the heap, where small live tensors pin them: this
     pattern left 24-512 MB resident in runs on this project's CI box, depending on the heap's state.)"""
-    import os
-    import subprocess
-    import sys
 
     script = (
         "import torch\n"
@@ -281,9 +286,7 @@ def test_tune_malloc_returns_large_frees_to_the_os(tmp_path):
         "    a = torch.ones(8 << 20, dtype=torch.uint8); b = torch.ones(64, dtype=torch.uint8); keep.append(b); del a\n"
         "print((rss_bytes() - base) / 2**20)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "SPARSERL_MALLOC_TUNE")}
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
-    assert res.returncode == 0, res.stderr[-2000:]
+    res = _run_tuned(script)
     grown_mb = float(res.stdout.strip().splitlines()[-1])
     assert grown_mb < 4, grown_mb  # each 8 MB block unmapped when freed
 
@@ -335,10 +338,6 @@ def test_reuse_heap_keeps_large_tensors_on_the_heap_inside_and_unmaps_them_after
     """Inside `reuse_heap` an 8 MB tensor comes from glibc's heap (where freed blocks are kept for the next ones);
     outside, before and after, each is its own mapping, and freed blocks go back to the OS (the threshold is back
     at 1 MiB)."""
-    import os
-    import subprocess
-    import sys
-
     script = (
         "import torch\n"
         "from sparserl.utils.memory import reuse_heap, rss_bytes, tune_malloc\n"
@@ -362,14 +361,12 @@ def test_reuse_heap_keeps_large_tensors_on_the_heap_inside_and_unmaps_them_after
         "    a = make(); b = torch.ones(64, dtype=torch.uint8); keep.append(b); del a\n"
         "print(before, inside, after, (rss_bytes() - base) / 2**20)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "SPARSERL_MALLOC_TUNE")}
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
-    assert res.returncode == 0, res.stderr[-2000:]
+    res = _run_tuned(script)
     before, inside, after, grown_mb = res.stdout.split()[-4:]
     assert (before, inside, after) == ("False", "True", "False"), res.stdout
     assert float(grown_mb) < 4, grown_mb  # each 8 MB block unmapped when freed
     # Untuned (SPARSERL_MALLOC_TUNE=0) glibc is left as it is: reuse_heap changes nothing.
     res = subprocess.run([sys.executable, "-c", "import sparserl.utils.memory as m\nprint(m.tune_malloc())\n"
                           "with m.reuse_heap(): pass\nprint(m._tuned)"], capture_output=True, text=True,
-                         env={**env, "SPARSERL_MALLOC_TUNE": "0"}, timeout=120)
+                         env={**os.environ, "SPARSERL_MALLOC_TUNE": "0"}, timeout=120)
     assert res.returncode == 0 and res.stdout.split()[-2:] == ["False", "False"], res.stderr[-2000:]
