@@ -118,16 +118,20 @@ def matmul_floor(model, rows: list[int], head_rows: list[int], repeats: int = 5)
     return _best_mm_seconds([(rand(m, w.shape[1]), w.t()) for w, m in plan], repeats)
 
 
-def packed_matmul_floor(model, m: int, repeats: int = 5) -> float:
-    """`matmul_floor(model, [m], [m])` with every weight packed for M = m rows first (MKL's packed float32 GEMM, what
-    the native engine's decode steps run with `rollout.prepack`; engines/native/prepack.py). Needs float32 on CPU."""
+def packed_matmul_floor(model, m: int, repeats: int = 5, kernel: str | None = None) -> float:
+    """`matmul_floor(model, [m], [m])` with every weight packed for M = m rows first, in `kernel`'s layout ("onednn" or
+    "mkl"; default: the one the native engine's `rollout.prepack=auto` picks on this CPU, engines/native/prepack.py).
+    What the engine's decode steps run with `rollout.prepack`. Needs float32 on CPU."""
+    from sparserl.engines.native.prepack import default_kernel, pack_weight, packed_linear
+
+    kernel = kernel or default_kernel()
     head, linears = _linear_weights(model)
     rand = _random_inputs(head)
-    calls = [(rand(m, w.shape[1]), torch.ops.mkl._mkl_reorder_linear_weight(w, m), w) for w in linears + [head]]
+    calls = [(rand(m, w.shape[1]), pack_weight(w, kernel, m), w) for w in linears + [head]]
 
     def run():
         for x, packed, w in calls:
-            torch.ops.mkl._mkl_linear(x, packed, w, None, m)
+            packed_linear(x, packed, w, None, kernel, m)
 
     return _best_seconds(run, head.device, repeats)
 

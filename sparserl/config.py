@@ -134,10 +134,11 @@ class RolloutConfig:
                                     "K/V copies for decode attention, no per-layer gather (CPU: ~1.35x faster decode "
                                     "at batch 64, those entries held twice; engines/native/decode_cache.py)",
                             choices=("auto", "on", "off"))
-    prepack: str = opt("auto", "native engine: on | off | auto (= on for CPU engines in float32, unquantized): linear "
-                               "weights also kept packed for the decode batch's GEMMs (MKL; ~1.2x faster decode "
-                               "GEMMs, the linear weights held twice; engines/native/prepack.py)",
-                       choices=("auto", "on", "off"))
+    prepack: str = opt("auto", "native engine: auto | on | off | onednn | mkl (auto = on for CPU engines in float32, "
+                               "unquantized): linear weights also kept packed for the decode batch's GEMMs, in "
+                               "MKL's layout on Intel CPUs and oneDNN's elsewhere (onednn / mkl: that one); 1.2-1.6x "
+                               "faster decode GEMMs, the linear weights held twice; engines/native/prepack.py",
+                       choices=("auto", "on", "off", "onednn", "mkl"))
     rescore_seqs: int = opt(0, "measure-only: per engine and step, re-score this many sequences densely "
                                "(rollout/kv_mismatch_kl)")
     kv: KVPolicyConfig = opt(KVPolicyConfig)

@@ -73,14 +73,14 @@ def _prepack_applies(cfg) -> None:
     # What is known only once the model and device are (rollout.dtype=auto, parallel.device=auto) is checked again
     # where the engine starts (engines/native/prepack.py resolve_prepack).
     r = cfg.rollout
-    if r.prepack != "on":
+    if r.prepack in ("auto", "off"):
         return
     why = ("it packs the native engine's GEMMs" if r.engine != "native" else
-           "MKL's packed GEMM is a CPU kernel" if cfg.parallel.device == "cuda" else
+           "the packed GEMMs (oneDNN's, MKL's) are CPU kernels" if cfg.parallel.device == "cuda" else
            "it packs float32 weights" if r.dtype not in ("auto", "float32", "fp32") else
            "quantized layers have their own kernels" if r.quantization != "none" else "")
     if why:
-        raise ConfigError(f"rollout.prepack=on with rollout.engine={r.engine}, parallel.device={cfg.parallel.device}, "
+        raise ConfigError(f"rollout.prepack={r.prepack} with rollout.engine={r.engine}, parallel.device={cfg.parallel.device}, "
                           f"rollout.dtype={r.dtype}, rollout.quantization={r.quantization}: {why}; use auto or off")
 
 

@@ -1,21 +1,23 @@
 """`rollout.prepack`: linear weights packed for the decode batch change nothing but speed and memory.
 
-The engine scenarios run twice on the same tiny fp32 model, packing on and off, and must give the same tokens and
-log-probs: a batch that shrinks as sequences finish at EOS (packed again as it shrinks, zero-padded in between,
-plain GEMMs below 16 rows and for prefill forwards), and weights that change under the packed copies (a sync).
+The engine scenarios run on the same tiny fp32 model with each packed kernel (oneDNN's, MKL's) and with plain GEMMs,
+and must give the same tokens and log-probs: a batch that shrinks as sequences finish at EOS (MKL: packed again as it
+shrinks, zero-padded in between, plain GEMMs below 4 rows; oneDNN: one packing for every size; prefill forwards plain),
+and weights that change under the packed copies (a sync).
 """
 import pytest
 import torch
 import torch.nn.functional as F
 
 from sparserl.engines.native.engine import NativeEngine
-from sparserl.engines.native.prepack import (MIN_ROWS, PackedLinear, Prepacker, prepack_available, resolve_prepack,
-                                             serves_from)
+from sparserl.engines.native.prepack import (MIN_ROWS, PackedLinear, Prepacker, available_kernels, default_kernel,
+                                             prepack_available, resolve_prepack, serves_from)
 from sparserl.engines.types import GenerationRequest, SamplingParams
 from sparserl.utils.errors import UserError
 from tests.conftest import tiny_model
 
-pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch has no MKL packed GEMM")
+pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch has no packed GEMM")
+KERNELS = available_kernels()
 
 PROMPTS = [[1, 5, 7, 9, 3], [2, 8], [4, 4, 4, 4, 4, 4, 4, 4, 4, 10, 11, 12, 13], [6], [9, 8, 7, 6, 5, 4, 3],
            [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
@@ -37,24 +39,30 @@ def engine(setting, model=None, **kw):
     return NativeEngine(model or tiny_model("llama"), num_slots=4096, prepack=setting, **kw)
 
 
-def test_shrinking_batch_same_tokens_and_logprobs():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_shrinking_batch_same_tokens_and_logprobs(kernel):
     # 24 sequences; EOS ends them at different steps, so the decode batch shrinks from 24 to 4 and below.
     reqs = requests()
     eos = [7, 9, 11]
-    on_engine = engine("on", eos_token_ids=eos)
+    on_engine = engine(kernel, eos_token_ids=eos)
     on, off = on_engine.generate(reqs), engine("off", eos_token_ids=eos).generate(reqs)
     assert_same(on, off)
     lengths = sorted(len(g.token_ids) for g in on)
     assert lengths[0] < lengths[len(lengths) // 2] < lengths[-1], "the sequences should end at different steps"
     p = on_engine.runner.prepacker
-    assert p.packed_forwards >= 10 and p.packs >= 2, (p.packed_forwards, p.packs)
+    assert p.kernel == kernel
+    if kernel == "mkl":
+        assert p.packed_forwards >= 10 and p.packs >= 2, (p.packed_forwards, p.packs)
+    else:  # one oneDNN packing serves every batch size, down to one row
+        assert p.packed_forwards >= 20 and p.packs == 1, (p.packed_forwards, p.packs)
     assert engine("off").runner.prepacker is None
 
 
-def test_weights_synced_under_packed_copies():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_weights_synced_under_packed_copies(kernel):
     # Pack, then load new weights and release/reload them: the next decode must use the new weights.
     reqs = requests(n=3, tokens=12)
-    on_engine, off_engine = engine("on", eos_token_ids=[]), engine("off", eos_token_ids=[])
+    on_engine, off_engine = engine(kernel, eos_token_ids=[]), engine("off", eos_token_ids=[])
     assert_same(on_engine.generate(reqs), off_engine.generate(reqs))
     assert on_engine.runner.prepacker.nbytes > 0
     torch.manual_seed(1)
@@ -72,11 +80,12 @@ def test_weights_synced_under_packed_copies():
     assert_same(on_engine.generate(reqs), off_engine.generate(reqs))
 
 
+@pytest.mark.skipif("mkl" not in KERNELS, reason="this torch has no MKL packed GEMM")
 def test_packed_linear_padding_and_fallback():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(48, 40, bias=True))
     layer = model[0]
-    packer = Prepacker(model)
+    packer = Prepacker(model, "mkl")
     assert isinstance(layer, PackedLinear) and list(dict(model.named_parameters())) == ["0.weight", "0.bias"]
     packer.prepare(32)
     assert packer.armed and packer.rows == 32
@@ -99,16 +108,46 @@ def test_packed_linear_padding_and_fallback():
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
+@pytest.mark.skipif("onednn" not in KERNELS, reason="this torch has no oneDNN packed GEMM")
+def test_onednn_packing_serves_every_size():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 40, bias=True), torch.nn.Linear(40, 24, bias=False))
+    packer = Prepacker(model, "onednn")
+    for rows in (64, 1, 3, 17, 64, 200):
+        packer.prepare(rows)
+        assert packer.armed and packer.packs == 1, "packed once, for any batch"
+        x = torch.randn(1, rows, 48)
+        h = model[0](x)
+        torch.testing.assert_close(h, F.linear(x, model[0].weight, model[0].bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model[1](h), F.linear(h, model[1].weight), rtol=1e-5, atol=1e-5)
+    packer.prepare(0)  # a forward with prefill rows: plain GEMMs, exactly
+    assert not packer.armed
+    x = torch.randn(20, 48)
+    assert torch.equal(model[0](x), F.linear(x, model[0].weight, model[0].bias))
+
+
 def test_setting_resolution():
     cpu = torch.device("cpu")
-    assert resolve_prepack("auto", cpu, torch.float32, "none") is True
-    assert resolve_prepack("auto", cpu, torch.bfloat16, "none") is False
-    assert resolve_prepack("auto", cpu, torch.float32, "int8") is False
-    assert resolve_prepack("auto", torch.device("cuda"), torch.float32, "none") is False
-    assert resolve_prepack("off", cpu, torch.float32, "none") is False
+    assert resolve_prepack("auto", cpu, torch.float32, "none") == default_kernel() in KERNELS
+    assert resolve_prepack("on", cpu, torch.float32, "none") == default_kernel()
+    # MKL's packed GEMM on Intel CPUs, oneDNN's elsewhere (and whichever this torch has, if only one).
+    assert default_kernel(["onednn", "mkl"], "GenuineIntel") == "mkl"
+    assert default_kernel(["onednn", "mkl"], "AuthenticAMD") == "onednn"
+    assert default_kernel(["onednn", "mkl"], "") == "onednn"
+    assert default_kernel(["onednn"], "GenuineIntel") == "onednn"
+    assert default_kernel(["mkl"], "AuthenticAMD") == "mkl"
+    assert default_kernel([], "GenuineIntel") is None
+    for kernel in KERNELS:
+        assert resolve_prepack(kernel, cpu, torch.float32, "none") == kernel
+    assert resolve_prepack("auto", cpu, torch.bfloat16, "none") is None
+    assert resolve_prepack("auto", cpu, torch.float32, "int8") is None
+    assert resolve_prepack("auto", torch.device("cuda"), torch.float32, "none") is None
+    assert resolve_prepack("off", cpu, torch.float32, "none") is None
     with pytest.raises(UserError, match="rollout.prepack=on needs a CPU engine in float32"):
         resolve_prepack("on", cpu, torch.bfloat16, "none")
-    with pytest.raises(ValueError, match="auto, on or off"):
+    with pytest.raises(UserError, match="rollout.prepack=onednn needs a CPU engine in float32"):
+        resolve_prepack("onednn", torch.device("cuda"), torch.float32, "none")
+    with pytest.raises(ValueError, match="auto, on, off, onednn, mkl"):
         resolve_prepack("yes", cpu, torch.float32, "none")
     # A bf16 engine resolves auto to plain GEMMs.
     assert engine("auto", tiny_model("llama", dtype=torch.bfloat16)).runner.prepacker is None
@@ -122,7 +161,7 @@ def test_a_dropped_engine_is_freed_without_the_garbage_collector():
 
     gc.disable()
     try:
-        e = engine("on", eos_token_ids=[])
+        e = engine(KERNELS[0], eos_token_ids=[])
         e.generate(requests(n=4, tokens=6))
         assert e.runner.prepacker.packs >= 1
         layer = weakref.ref(e.runner.prepacker.layers[0])

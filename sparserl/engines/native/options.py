@@ -23,4 +23,4 @@ class NativeOptions:
     quantize_lm_head: bool = False
     rescore_seqs: int = 0  # measure-only: sequences per generate() re-scored with a dense cache (rescore.py)
     decode_cache: str = "auto"  # on | off | auto: contiguous decode K/V copies (decode_cache.py)
-    prepack: str = "auto"  # on | off | auto: linear weights packed for the decode batch's GEMMs (prepack.py)
+    prepack: str = "auto"  # auto | on | off | onednn | mkl: linear weights packed for the decode GEMMs (prepack.py)

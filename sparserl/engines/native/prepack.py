@@ -1,24 +1,33 @@
 """Linear weights pre-packed for the decode batch (`rollout.prepack`): float32 engines on CPU.
 
 A float32 GEMM of a decode step (M = the batch, a few dozen rows) spends a large share of its time re-packing the
-weight into MKL's internal blocked layout, on every call. MKL can keep a weight packed (`cblas_sgemm_pack`, exposed by
-torch as `torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear`); the packed call then skips that work. The
-packed layout is made for one M: torch runs the packed GEMM only when the input has exactly that many rows, and
-falls back to the plain one otherwise.
+weight into the BLAS's internal blocked layout, on every call. Two libraries in torch's CPU build can keep a weight
+packed, and the engine holds its linear weights packed in one of them (the kernel):
 
-So the engine packs for the decode batch it runs. Before each forward the runner calls `prepare(rows)` with the
-rows of a decode-only forward (0 for a forward with prefill rows: those keep the plain GEMMs). A packing for P rows
-serves batches of P - max(P // 8, 4) to P rows, their input zero-padded to P rows (each output row of a GEMM
-depends only on its own input row, so the padding changes nothing but time); a batch outside that band is packed
-again for its own size (~0.1-0.2 s for SmolLM2-135M, about one decode step). A batch that shrinks from 64 rows to 4
-as sequences finish repacks about 12 times. Under 4 rows MKL runs matrix-vector kernels that gain nothing from
-packing, and the plain GEMMs run.
+- `onednn`: oneDNN's blocked weight (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`). The layout does
+  not depend on M, so one packing serves every decode batch, of any size, until the weights change.
+- `mkl`: MKL's packed GEMM (`cblas_sgemm_pack`, `torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear`). The
+  packed layout is made for one M: torch runs the packed GEMM only when the input has exactly that many rows. So a
+  packing for P rows serves batches of P - max(P // 8, 4) to P rows, their input zero-padded to P rows (each output
+  row of a GEMM depends only on its own input row, so the padding changes nothing but time); a batch outside that
+  band is packed again for its own size (~0.1-0.2 s for SmolLM2-135M, about one decode step). A batch that shrinks
+  from 64 rows to 4 as sequences finish repacks about 12 times. Under 4 rows MKL runs matrix-vector kernels that gain
+  nothing from packing, and the plain GEMMs run.
 
-Measured on a 2-core AVX-512 Xeon (SmolLM2-135M's linear layers and LM head, fp32, back to back, exact M): 1.3-1.6x
-at 4-24 rows, 1.2-1.3x at 32-256, none at 1-3. Results agree with the plain GEMM to float32 rounding (the same
-kernels, a different blocking: at most a few ulps, bit-identical for most shapes). Cost: the packed copy holds the
-linear weights a second time (the embeddings excepted), dropped with the engine's weights (`release_weights`) and
-packed again after a sync.
+Which is faster depends on the CPU, so `auto`/`on` pick by vendor (`default_kernel`): MKL's on Intel CPUs, where its
+packed GEMM ran SmolLM2-135M's decode-step GEMMs 1.2-1.6x faster than the plain ones (M = 4-256, an AVX-512 Xeon), and
+oneDNN's elsewhere: on an AVX2 AMD EPYC, MKL's packed GEMM was slower than the plain one and oneDNN's 1.2-1.6x faster
+(M = 4-64; docs/performance.md, `benchmarks/prepack.py` measures all three on the machine at hand). The rule is
+fixed rather than timed at start-up because the two kernels round differently (below): a choice that flipped with
+the machine's load would change sampled tokens between runs of the same seed. `mkl` or `onednn` name one.
+
+Before each forward the runner calls `prepare(rows)` with the rows of a decode-only forward (0 for a forward with
+prefill rows: those keep the plain GEMMs, which are as fast at prefill's M in the thousands). Results agree with the
+plain GEMM to float32 rounding: MKL's packed GEMM gave the plain one's bits in every test; oneDNN's sums in another
+order (~1e-6 relative per GEMM; SmolLM2-135M's sampled log-probs against the trainer's, 32 x 48 tokens: |diff| max
+4.6e-5, mean 5.0e-6, against 2.7e-5 / 2.3e-6 for the plain and MKL GEMMs). Cost: the
+packed copy holds the linear weights a second time (the embeddings excepted), dropped with the engine's weights
+(`release_weights`) and packed again after a sync.
 """
 from __future__ import annotations
 
@@ -28,44 +37,106 @@ from torch import nn
 
 from sparserl.utils.errors import UserError
 
-MIN_ROWS = 4  # below this MKL runs matrix-vector kernels and packing gains nothing
+MIN_ROWS = 4  # below this MKL runs matrix-vector kernels and its packing gains nothing
+KERNELS = ("onednn", "mkl")
+SETTINGS = ("auto", "on", "off") + KERNELS
 
 
 def serves_from(packed_rows: int) -> int:
-    """The fewest rows a packing for `packed_rows` serves (zero-padded): within 1/8 of it, or 4 rows for small ones."""
+    """The fewest rows an MKL packing for `packed_rows` serves (zero-padded): within 1/8 of it, or 4 rows for small
+    ones."""
     return packed_rows - max(packed_rows // 8, 4)
 
 
+def available_kernels() -> list[str]:
+    """The packed float32 kernels this torch build has."""
+    out = []
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        out.append("onednn")
+    if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+        out.append("mkl")
+    return out
+
+
 def prepack_available() -> bool:
-    """Does this torch have MKL's packed float32 GEMM?"""
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    """Does this torch have a packed float32 GEMM (oneDNN's or MKL's)?"""
+    return bool(available_kernels())
 
 
-def resolve_prepack(setting: str | bool, device: torch.device, dtype: torch.dtype, quantization: str) -> bool:
-    """`rollout.prepack`: on | off | auto (on where it applies: a CPU engine in float32, unquantized, torch with MKL)."""
+def cpu_vendor() -> str:
+    """The CPU's vendor id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...; "" where it is not to be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def default_kernel(kernels: list[str] | None = None, vendor: str | None = None) -> str | None:
+    """`auto`'s kernel: MKL's on Intel CPUs, oneDNN's elsewhere (the module docstring says what was measured);
+    the other where this torch has only one; None where it has neither."""
+    kernels = available_kernels() if kernels is None else kernels
+    vendor = cpu_vendor() if vendor is None else vendor
+    order = ("mkl", "onednn") if vendor == "GenuineIntel" else ("onednn", "mkl")
+    return next((k for k in order if k in kernels), None)
+
+
+def resolve_prepack(setting: str | bool, device: torch.device, dtype: torch.dtype, quantization: str) -> str | None:
+    """`rollout.prepack` -> the kernel to pack for: None (plain GEMMs), "mkl" or "onednn" (auto / on where it applies:
+    a CPU engine in float32, unquantized, torch with a packed kernel: `default_kernel`)."""
     if isinstance(setting, bool):
         setting = "on" if setting else "off"
-    if setting not in ("auto", "on", "off"):
-        raise ValueError(f"rollout.prepack must be auto, on or off, not {setting!r}")
-    applies = device.type == "cpu" and dtype == torch.float32 and quantization == "none" and prepack_available()
-    if setting == "on" and not applies:
-        raise UserError(f"rollout.prepack=on needs a CPU engine in float32 without rollout.quantization and a torch "
-                        f"built with MKL (here: {device.type}, {dtype}, quantization={quantization}, "
-                        f"MKL {'yes' if prepack_available() else 'no'}); use auto or off")
-    return setting == "on" or (setting == "auto" and applies)
+    if setting not in SETTINGS:
+        raise ValueError(f"rollout.prepack must be one of {', '.join(SETTINGS)}, not {setting!r}")
+    kernels = available_kernels()
+    applies = device.type == "cpu" and dtype == torch.float32 and quantization == "none" and bool(kernels)
+    if setting != "auto" and setting != "off" and not applies:
+        raise UserError(f"rollout.prepack={setting} needs a CPU engine in float32 without rollout.quantization and a "
+                        f"torch built with oneDNN or MKL (here: {device.type}, {dtype}, quantization={quantization}, "
+                        f"packed kernels: {', '.join(kernels) or 'none'}); use auto or off")
+    if setting in KERNELS and setting not in kernels:
+        raise UserError(f"rollout.prepack={setting}: this torch build has no {setting} packed GEMM "
+                        f"(it has: {', '.join(kernels) or 'none'}); use auto")
+    if setting == "off" or not applies:
+        return None
+    return setting if setting in KERNELS else default_kernel(kernels)
+
+
+def pack_weight(weight: torch.Tensor, kernel: str, rows: int) -> torch.Tensor:
+    """`weight` (out, in) packed for `kernel`: for MKL, for exactly `rows` input rows; for oneDNN, any (`rows` a hint)."""
+    if kernel == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+
+
+def packed_linear(x2: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  kernel: str, rows: int) -> torch.Tensor:
+    """y = x2 W^T + b on a packed weight; `x2` is (rows, in) with `rows` the MKL packing's M."""
+    if kernel == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+    return torch.ops.mkl._mkl_linear(x2, packed, weight, bias, rows)
 
 
 class PackState:
-    """What the packed layers read at every call: the rows the weights are packed for (0: not packed) and whether
-    the coming forward may use them. Shared by the layers and their `Prepacker`, and referencing neither, so a
-    dropped model is freed at once (no reference cycle left for the garbage collector)."""
+    """What the packed layers read at every call: the kernel, the rows the weights are packed for (0: not packed)
+    and whether the coming forward may use them. Shared by the layers and their `Prepacker`, and referencing
+    neither, so a dropped model is freed at once (no reference cycle left for the garbage collector)."""
 
     def __init__(self) -> None:
         self.rows = 0
         self.armed = False
+        self.kernel: str | None = None
 
     def fits(self, rows: int) -> bool:
-        return 0 < rows <= self.rows and rows >= serves_from(self.rows)
+        if self.rows <= 0 or rows <= 0:
+            return False
+        if self.kernel == "onednn":
+            return True  # one packing serves every M
+        return rows <= self.rows and rows >= serves_from(self.rows)
 
 
 class PackedLinear(nn.Linear):
@@ -81,17 +152,21 @@ class PackedLinear(nn.Linear):
         if self._packed is None or not state.armed or not state.fits(rows):
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(rows, self.in_features)
-        if rows < state.rows:
+        if state.kernel == "mkl" and rows < state.rows:
             x2 = F.pad(x2, (0, 0, 0, state.rows - rows))
-        y = torch.ops.mkl._mkl_linear(x2, self._packed, self.weight, self.bias, state.rows)
+        y = packed_linear(x2.contiguous(), self._packed, self.weight, self.bias, state.kernel, state.rows)
         return y[:rows].view(*x.shape[:-1], self.out_features)
 
 
 class Prepacker:
-    """Owns the packed copies of a model's `nn.Linear` weights (see the module docstring)."""
+    """Owns the packed copies of a model's `nn.Linear` weights (see the module docstring); `kernel`: "onednn" or
+    "mkl"."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, kernel: str = "mkl") -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"Prepacker: kernel must be one of {', '.join(KERNELS)}, not {kernel!r}")
         self.state = PackState()
+        self.state.kernel = kernel
         self.layers: list[PackedLinear] = []
         for module in model.modules():
             if type(module) is nn.Linear:
@@ -103,8 +178,12 @@ class Prepacker:
         self.packed_forwards = 0  # forwards that ran on packed weights
 
     @property
+    def kernel(self) -> str:
+        return self.state.kernel
+
+    @property
     def rows(self) -> int:
-        """The M the weights are packed for; 0 = not packed."""
+        """The M the weights are packed for (for oneDNN only a hint); 0 = not packed."""
         return self.state.rows
 
     @property
@@ -119,7 +198,7 @@ class Prepacker:
     def prepare(self, rows: int) -> None:
         """Arms the packed GEMMs for the next forward when it is `rows` decode rows (0: a forward with prefill),
         packing again when the current packing does not serve that batch or a weight changed since."""
-        if rows < MIN_ROWS:
+        if rows < (1 if self.kernel == "onednn" else MIN_ROWS):
             self.state.armed = False
             return
         if not self.state.fits(rows) or self.versions != self._weight_versions():
@@ -134,7 +213,7 @@ class Prepacker:
     def pack(self, rows: int) -> None:
         self.drop()
         for layer in self.layers:
-            layer._packed = torch.ops.mkl._mkl_reorder_linear_weight(layer.weight.detach(), rows)
+            layer._packed = pack_weight(layer.weight, self.kernel, rows)
         self.state.rows = rows
         self.versions = self._weight_versions()
         self.packs += 1

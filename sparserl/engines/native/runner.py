@@ -88,7 +88,7 @@ class SlotTable:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int, quantization: str = "none", quant_kernel: str = "auto",
-                 quantize_lm_head: bool = False, decode_cache: bool = False, prepack: bool = False) -> None:
+                 quantize_lm_head: bool = False, decode_cache: bool = False, prepack: str | None = None) -> None:
         self.model = model.eval()
         use_packed_attention(self.model)
         # Linear layers swapped for quantized ones (rollout.quantization); None keeps the rollout dtype.
@@ -97,8 +97,9 @@ class ModelRunner:
             self.quant = quantize_model(self.model, quantization, quant_kernel, quantize_lm_head)
         self.weight_bytes = self.quant.weight_bytes if self.quant is not None else weights_nbytes(self.model)
         self.float_weight_bytes = self.quant.float_bytes if self.quant is not None else self.weight_bytes
-        # Linear weights also packed for the decode batch's GEMMs (rollout.prepack; prepack.py); None = plain GEMMs.
-        self.prepacker = Prepacker(self.model) if prepack else None
+        # Linear weights also packed for the decode batch's GEMMs (rollout.prepack; prepack.py): the kernel ("onednn" or
+        # "mkl"); None = plain GEMMs.
+        self.prepacker = Prepacker(self.model, prepack) if prepack else None
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(model.config)
