@@ -90,3 +90,18 @@ def test_draw_and_transform_make_no_host_syncs():
     with HostSyncs() as syncs:  # the counter itself sees a sync
         bool((s.top_k > 0).any())
     assert syncs.events == ["item"]
+
+
+def test_inverse_cdf_on_reused_buffers_matches_fresh_float64_sums():
+    # The CPU draw keeps its probabilities and cumulative sums in per-thread buffers between calls: batches of
+    # other sizes, a larger vocabulary and masked entries must give the tokens of the plain float64 formula.
+    torch.manual_seed(0)
+    for b, v in [(64, 4096), (3, 4096), (17, 9000), (64, 4096), (1, 50)]:
+        logp = torch.log_softmax(torch.randn(b, v) * 4, dim=-1)
+        logp[:, ::7] = float("-inf")
+        u = torch.rand(b, dtype=torch.float64)
+        cdf = logp.exp().to(torch.float64).cumsum(dim=-1)
+        total = cdf[:, -1:]
+        target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        want = torch.searchsorted(cdf, target, right=True)[:, 0]
+        assert torch.equal(inverse_cdf(logp, u), want), (b, v)
