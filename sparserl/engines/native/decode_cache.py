@@ -36,6 +36,17 @@ class DecodePlan:
     dense_rows: bool
     bias: torch.Tensor  # (num_rows or Bd, 1, 1, Lmax) 0 valid, -inf padding
     width: int  # Lmax
+    # With `dense_rows`: attention runs block by block over rows [start, end), each `width` entries wide (the
+    # longest row of the block), instead of every row padded to Lmax.
+    blocks: list[tuple[int, int, int]] | None = None
+
+
+BLOCK_ROWS = 16  # rows per attention call over the contiguous rows (dense_rows)
+
+
+def row_blocks(lengths: list[int], block: int = BLOCK_ROWS) -> list[tuple[int, int, int]]:
+    """(start, end, width) for consecutive blocks of `block` rows, each as wide as its longest row."""
+    return [(r0, min(r0 + block, len(lengths)), max(lengths[r0:r0 + block])) for r0 in range(0, len(lengths), block)]
 
 
 class DecodeCache:
@@ -83,14 +94,18 @@ class DecodeCache:
         dense_rows = 2 * len(rows) >= top
         row_t = torch.tensor(rows, device=dev)
         length_t = torch.tensor(lengths, device=dev)
+        blocks = None
         if dense_rows:
-            full = torch.ones(top, dtype=torch.long, device=dev)  # idle rows: one visible entry, no NaN
-            full[row_t] = length_t
-            length_t = full
+            full = [1] * top  # idle rows: one visible entry, no NaN
+            for r, n in zip(rows, lengths):
+                full[r] = n
+            length_t = torch.tensor(full, device=dev)
+            blocks = row_blocks(full, BLOCK_ROWS)
         valid = torch.arange(lmax, device=dev)[None, :] < length_t[:, None]
         bias = torch.zeros(valid.shape, dtype=self.dtype, device=dev).masked_fill_(~valid, float("-inf"))
         self.plan = DecodePlan(torch.tensor(rows_idx, device=dev), torch.tensor(cols, device=dev),
-                               torch.tensor(slots, device=dev), row_t, top, dense_rows, bias[:, None, None, :], lmax)
+                               torch.tensor(slots, device=dev), row_t, top, dense_rows, bias[:, None, None, :], lmax,
+                               blocks)
         return self.plan
 
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -105,9 +120,11 @@ class DecodeCache:
         hkv = self.num_kv_heads
         qg = q.view(bd, hkv, H // hkv, D).to(self.dtype)
         if p.dense_rows:
-            k, v = k_rows[: p.num_rows, :, : p.width], v_rows[: p.num_rows, :, : p.width]
             q_all = qg.new_zeros((p.num_rows, hkv, H // hkv, D)).index_copy_(0, p.rows, qg)
-            out = F.scaled_dot_product_attention(q_all, k, v, attn_mask=p.bias, scale=scaling).index_select(0, p.rows)
+            outs = [F.scaled_dot_product_attention(q_all[r0:r1], k_rows[r0:r1, :, :w], v_rows[r0:r1, :, :w],
+                                                   attn_mask=p.bias[r0:r1, :, :, :w], scale=scaling)
+                    for r0, r1, w in p.blocks]
+            out = (outs[0] if len(outs) == 1 else torch.cat(outs)).index_select(0, p.rows)
         else:
             k = k_rows.index_select(0, p.rows)[:, :, : p.width]
             v = v_rows.index_select(0, p.rows)[:, :, : p.width]

@@ -54,10 +54,13 @@ class SlotTable:
         """Returns decode slots (Bd, Lmax) and the additive mask (Bd, 1, 1, Lmax): 0 valid, -inf padding; with a
         decode cache, (None, None) and the cache's plan for this step is set instead."""
         rows_idx, cols, vals = [], [], []
+        # Sequences new to decoding take their rows shortest first, so that rows handed out together (a rollout's
+        # batch starts decoding at once) lie in order of length: the decode cache attends in blocks of neighbouring
+        # rows, each only as wide as its longest (decode_cache.py).
+        for seq in sorted((s for s in seqs if s.seq_id not in self.rows), key=lambda s: len(s.slots)):
+            self.rows[seq.seq_id] = [self.free.pop() if self.free else len(self.rows), 0, seq.slots_version]
         for seq in seqs:
-            entry = self.rows.get(seq.seq_id)
-            if entry is None:
-                entry = self.rows[seq.seq_id] = [self.free.pop() if self.free else len(self.rows), 0, seq.slots_version]
+            entry = self.rows[seq.seq_id]
             if entry[2] != seq.slots_version:
                 entry[1], entry[2] = 0, seq.slots_version
             row, synced = entry[0], entry[1]
