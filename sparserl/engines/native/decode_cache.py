@@ -74,13 +74,18 @@ class DecodeCache:
         shape = (rows, self.num_kv_heads, width, self.head_dim)
         for store in (self.k, self.v):
             for i in range(self.num_layers):
-                grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                # Every entry is written once: the old block copied, the rest zeroed (padding is read, masked, and
+                # must be finite), instead of zero-filling the whole tensor and then copying over it.
+                grown = torch.empty(shape, dtype=self.dtype, device=self.device)
                 if store and i < len(store):
                     old = store[i]
-                    grown[: old.shape[0], :, : old.shape[2]] = old
+                    r, w = old.shape[0], old.shape[2]
+                    grown[:r, :, :w] = old
+                    grown[:r, :, w:].zero_()
+                    grown[r:].zero_()
                     store[i] = grown
                 else:
-                    store.append(grown)
+                    store.append(grown.zero_())
 
     def plan_step(self, rows_idx: list[int], cols: list[int], slots: list[int], rows: list[int], lengths: list[int]) -> DecodePlan:
         """Called once per forward by the slot table: `rows_idx/cols/slots` are the entries new since the last
