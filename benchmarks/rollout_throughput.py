@@ -35,14 +35,9 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sparserl.utils.memory import tune_malloc  # noqa: E402
-
-# glibc and huge pages as the entry points set them (utils/memory.py), before torch's first allocation, so the engines
-# run as they do in training.
-tune_malloc()
-import torch  # noqa: E402
-
 from benchmarks.common import (bench_device, gsm8k_prompts, machine, matmul_floor, packed_matmul_floor,  # noqa: E402
                                print_table, sync)
 from sparserl.engines.native.prepack import prepack_available  # noqa: E402
