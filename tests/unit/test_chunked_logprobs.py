@@ -87,7 +87,9 @@ def test_fused_head_matches_full_logits(temperature, chunk_mb):
     loss_of([logp[i, : len(x)] for i, x in enumerate(ref_lp)], [ent[i, : len(x)] for i, x in enumerate(ref_ent)],
             coeffs).backward()
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+        # Float32 sums in another order (chunks accumulated with addmm_): on an AVX2 CPU one embedding-gradient entry
+        # of 12,800 came out 1.2e-6 from the full-logits reference.
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=5e-6, msg=lambda m: f"{name}: {m}")
     assert model.lm_head.weight.grad.abs().sum() > 0
     with torch.no_grad():  # the old-log-prob pass: forward only, the same values
         again, _ = packed_logprobs(model, seqs, torch.device("cpu"), temperature, chunk_mb=chunk_mb)
