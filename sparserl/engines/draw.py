@@ -83,11 +83,11 @@ _scratch = threading.local()
 
 def _scratch_tensor(name: str, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     numel = shape[0] * shape[1]
-    if device.type != "cpu" or numel * torch.empty((), dtype=dtype).element_size() > _SCRATCH_MAX_BYTES:
+    if device.type != "cpu" or numel * dtype.itemsize > _SCRATCH_MAX_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
     buf = getattr(_scratch, name, None)
     if buf is None or buf.numel() < numel or buf.dtype != dtype:
-        buf = torch.empty(max(numel, buf.numel() if buf is not None else 0), dtype=dtype)
+        buf = torch.empty(numel, dtype=dtype)
         setattr(_scratch, name, buf)
     return buf[:numel].view(shape)
 

@@ -98,14 +98,14 @@ class DecodeCache:
         # outputs are dropped), else copy out just the decoding rows.
         dense_rows = 2 * len(rows) >= top
         row_t = torch.tensor(rows, device=dev)
-        length_t = torch.tensor(lengths, device=dev)
         blocks = None
         if dense_rows:
             full = [1] * top  # idle rows: one visible entry, no NaN
             for r, n in zip(rows, lengths):
                 full[r] = n
-            length_t = torch.tensor(full, device=dev)
+            lengths = full
             blocks = row_blocks(full, BLOCK_ROWS)
+        length_t = torch.tensor(lengths, device=dev)
         valid = torch.arange(lmax, device=dev)[None, :] < length_t[:, None]
         bias = torch.zeros(valid.shape, dtype=self.dtype, device=dev).masked_fill_(~valid, float("-inf"))
         self.plan = DecodePlan(torch.tensor(rows_idx, device=dev), torch.tensor(cols, device=dev),
