@@ -96,8 +96,9 @@ def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # (B, V),
     """The first index whose cumulative probability exceeds u x (the row's total); -inf entries are never taken."""
     shape = tuple(logp.shape)
     probs = torch.exp(logp, out=_scratch_tensor("probs", shape, logp.dtype, logp.device))
-    # The float32 probabilities summed in float64 (cumsum casts each to float64 first, as .to(float64).cumsum_ did).
-    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64, out=_scratch_tensor("cdf", shape, torch.float64, logp.device))
+    # The float32 probabilities summed in float64: cast into the float64 buffer, then summed in place. (cumsum with
+    # dtype=float64 casts into a temporary of its own, a fresh 25 MB mapping per step at batch 64.)
+    cdf = _scratch_tensor("cdf", shape, torch.float64, logp.device).copy_(probs).cumsum_(dim=-1)
     total = cdf[:, -1:]
     # u x total may round up to the total itself: the largest double below it keeps the draw on a token with mass.
     target = torch.minimum(u.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
