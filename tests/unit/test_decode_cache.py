@@ -79,3 +79,26 @@ def test_setting_resolution():
     assert resolve_decode_cache("on", torch.device("cuda")) is True and resolve_decode_cache("off", torch.device("cpu")) is False
     with pytest.raises(ValueError, match="auto, on or off"):
         resolve_decode_cache("yes", torch.device("cpu"))
+
+
+def test_growth_sizes_for_what_the_sequences_can_reach():
+    from sparserl.engines.native.decode_cache import DecodeCache
+
+    cache = DecodeCache(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"))
+    cache.reserve(5, 100, reach=230)  # prompt + max_new_tokens within 2x of the need: one allocation for the rollout
+    assert (cache.k[0].shape[0], cache.k[0].shape[2]) == (8, 256)
+    cache.reserve(5, 256, reach=230)
+    assert cache.k[0].shape[2] == 256
+
+    cache = DecodeCache(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"))
+    cache.reserve(3, 100, reach=5000)  # a long budget: what is needed now, then doubling up to the reach
+    assert cache.k[0].shape[2] == 128
+    cache.k[1][:3, :, :100] = torch.arange(600, dtype=torch.float32).view(3, 1, 100, 2)
+    cache.reserve(3, 129, reach=5000)
+    assert cache.k[1].shape[2] == 256
+    assert torch.equal(cache.k[1][:3, :, :100], torch.arange(600, dtype=torch.float32).view(3, 1, 100, 2))
+    assert not cache.k[1][:, :, 100:].any() and not cache.v[0].any()  # new entries are zeros (read, then masked)
+    cache.reserve(3, 300, reach=4700)
+    assert cache.k[0].shape[2] == 512
+    cache.reserve(3, 4650, reach=4700)  # doubling stops at the reach
+    assert cache.k[0].shape[2] == 4736

@@ -9,8 +9,9 @@ in the `SlotTable`, updated by appends: a decode step copies one new entry per s
 in this forward), a prefill or a compaction (slots_version bump) re-copies that sequence's row from the pool.
 The pool stays the source of truth (compression scores and compacts there; forks copy there).
 
-Memory: the copy holds the decoding sequences' entries a second time, padded to the longest (grown 64 entries
-at a time). Measured on this project's 2-core CPU (SmolLM2-135M fp32, batch 64, 128 new tokens, `python
+Memory: the copy holds the decoding sequences' entries a second time, padded to the longest (its width in
+multiples of 64 entries, sized for what the decoding sequences can reach when that is within 2x of the need:
+`reserve`). Measured on this project's 2-core CPU (SmolLM2-135M fp32, batch 64, 128 new tokens, `python
 benchmarks/rollout_throughput.py --engine native native:cache --batch 64`): 1.16x the decode throughput, for
 ~0.75 GB more at the rollout's peak in a one-process GRPO step (where it moved the step's peak from the update to
 the rollout). KV memory is what sparse rollouts exist to save, so the default is `off`; `auto` turns it on for
@@ -61,16 +62,24 @@ class DecodeCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def reserve(self, rows: int, width: int) -> None:
-        """Grow (never shrink) to at least `rows` x `width`, keeping what is there."""
+    def reserve(self, rows: int, width: int, reach: int = 0) -> None:
+        """Grow (never shrink) to at least `rows` x `width`, keeping what is there. `reach`: the longest any decoding
+        sequence can grow (its reserved slots), which a growth may size for at once (below)."""
         have_rows, have_width = (self.k[0].shape[0], self.k[0].shape[2]) if self.k else (0, 0)
         if rows <= have_rows and width <= have_width:
             return
-        # Grow to the next multiple of 64 entries (8 rows): a decode step adds one entry per sequence, so the copy
-        # happens at most once per 64 steps, and the padding stays under 64 entries (doubling could leave half the
-        # cache empty: 257 entries would hold 512).
+        # A growth re-allocates and copies every layer's keys and values (~0.75 GB at batch 64 x 256 entries for
+        # SmolLM2-135M), so it should come rarely. Widths are multiples of 64 entries; a growth takes the width the
+        # decoding sequences can still reach when that is at most twice what is needed now (a rollout's sequences
+        # reserve prompt + max_new_tokens, or their compression bound: one allocation for the whole rollout), else
+        # twice the width it has (a few growths for long budgets, and never more than the sequences can reach).
         rows = have_rows if rows <= have_rows else -(-rows // 8) * 8
-        width = have_width if width <= have_width else -(-width // 64) * 64
+        if width > have_width:
+            need = -(-width // 64) * 64
+            reach = -(-max(reach, need) // 64) * 64
+            width = reach if reach <= 2 * need else max(need, min(2 * have_width, reach))
+        else:
+            width = have_width
         shape = (rows, self.num_kv_heads, width, self.head_dim)
         for store in (self.k, self.v):
             for i in range(self.num_layers):
@@ -87,13 +96,15 @@ class DecodeCache:
                 else:
                     store.append(grown.zero_())
 
-    def plan_step(self, rows_idx: list[int], cols: list[int], slots: list[int], rows: list[int], lengths: list[int]) -> DecodePlan:
+    def plan_step(self, rows_idx: list[int], cols: list[int], slots: list[int], rows: list[int], lengths: list[int],
+                  reach: int = 0) -> DecodePlan:
         """Called once per forward by the slot table: `rows_idx/cols/slots` are the entries new since the last
-        step (the decode tokens' own slots included: they are written by this forward before attention)."""
+        step (the decode tokens' own slots included: they are written by this forward before attention); `reach`
+        the most entries any of these sequences can come to hold."""
         dev = self.device
         lmax = max(lengths)
         top = max(rows) + 1
-        self.reserve(top, lmax)
+        self.reserve(top, lmax, reach)
         # Attend over the contiguous rows [0, top) when most of them decode now (finished rows are idle: their
         # outputs are dropped), else copy out just the decoding rows.
         dense_rows = 2 * len(rows) >= top

@@ -101,7 +101,8 @@ class SlotTable:
             entry[1] = len(seq.slots)
         lengths = [len(s.slots) for s in seqs]
         if self.cache is not None:
-            self.cache.plan_step(rows_idx, cols, vals, [self.rows[s.seq_id][0] for s in seqs], lengths)
+            self.cache.plan_step(rows_idx, cols, vals, [self.rows[s.seq_id][0] for s in seqs], lengths,
+                                 max(s.reserve for s in seqs))
             return None, None
         lmax = max(lengths)
         self._reserve(max(e[0] for e in self.rows.values()) + 1, lmax)
