@@ -29,11 +29,14 @@ def kv_geometry(config) -> tuple[int, int, int]:
     return text.num_hidden_layers, kv_heads, head_dim
 
 
+SILU_TYPES = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers' ACT2FN["silu"]
+
+
 def _inplace_gated_mlp(self, x: torch.Tensor) -> torch.Tensor:
     """A gated SiLU MLP's forward, act(gate(x)) * up(x) -> down, with the activation and the product written over the
     gate's output: the same kernels in the same order as the module's own forward, two fewer (T, intermediate)
     tensors per layer. Only without autograd (the engine's forwards run in inference mode)."""
-    if torch.is_grad_enabled() and x.requires_grad:
+    if torch.is_grad_enabled():
         return type(self).forward(self, x)
     h = F.silu(self.gate_proj(x), inplace=True)
     return self.down_proj(h.mul_(self.up_proj(x)))
@@ -51,9 +54,6 @@ def use_inplace_mlps(model: torch.nn.Module) -> int:
             module.forward = types.MethodType(_inplace_gated_mlp, module)
             n += 1
     return n
-
-
-SILU_TYPES = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers' ACT2FN["silu"]
 
 
 class SlotTable:
