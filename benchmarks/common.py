@@ -118,14 +118,34 @@ def matmul_floor(model, rows: list[int], head_rows: list[int], repeats: int = 5)
     return _best_mm_seconds([(rand(m, w.shape[1]), w.t()) for w, m in plan], repeats)
 
 
-def packed_matmul_floor(model, m: int, repeats: int = 5, kernel: str | None = None) -> float:
+def _fused_linear_weights(model) -> list[torch.Tensor]:
+    """Every linear weight but the LM head's, with the sibling projections the native engine packs as one weight
+    (oneDNN's kernel: q/k/v, gate/up; engines/native/prepack.py `FUSED_GROUPS`) concatenated."""
+    from sparserl.engines.native.prepack import FUSED_GROUPS
+
+    head = model.get_output_embeddings()
+    grouped, out = set(), []
+    for module in model.modules():
+        for names in FUSED_GROUPS:
+            members = [getattr(module, name, None) for name in names]
+            if all(isinstance(x, torch.nn.Linear) for x in members):
+                out.append(torch.cat([x.weight.detach() for x in members]))
+                grouped.update(id(x) for x in members)
+    return out + [x.weight for x in model.modules()
+                  if isinstance(x, torch.nn.Linear) and x is not head and id(x) not in grouped]
+
+
+def packed_matmul_floor(model, m: int, repeats: int = 5, kernel: str | None = None, fuse: bool = True) -> float:
     """`matmul_floor(model, [m], [m])` with every weight packed for M = m rows first, in `kernel`'s layout ("onednn" or
     "mkl"; default: the one the native engine's `rollout.prepack=auto` picks on this CPU, engines/native/prepack.py).
-    What the engine's decode steps run with `rollout.prepack`. Needs float32 on CPU."""
+    With oneDNN's layout and `fuse`, the sibling projections run as one GEMM, as the engine runs them. What the
+    engine's decode steps run with `rollout.prepack`. Needs float32 on CPU."""
     from sparserl.engines.native.prepack import default_kernel, pack_weight, packed_linear
 
     kernel = kernel or default_kernel()
     head, linears = _linear_weights(model)
+    if fuse and kernel == "onednn":
+        linears = _fused_linear_weights(model)
     rand = _random_inputs(head)
     calls = [(rand(m, w.shape[1]), pack_weight(w, kernel, m), w) for w in linears + [head]]
 

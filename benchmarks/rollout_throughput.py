@@ -21,7 +21,8 @@ layer at M = the batch). `floor tok/s` is new tokens over that time; `decode` co
 (the native engine's: `generate` of `new_tokens` minus `generate` of 1 token, the prefill's share). Attention,
 norms, RoPE, activations and sampling are outside the floor, so no engine reaches it. In float32 on CPU the table
 also prints `packed floor decode tok/s`: the decode step's GEMMs with every weight packed for M = the batch first
-(`benchmarks/common.py::packed_matmul_floor`), the faster GEMMs the native engine's decode steps run with
+and, with oneDNN's layout, q/k/v and gate/up as one GEMM each (`benchmarks/common.py::packed_matmul_floor`), the
+faster GEMMs the native engine's decode steps run with
 `rollout.prepack` (engines/native/prepack.py), and each engine's decode rate as a share of it.
 
 All sample at temperature 1 and ignore EOS, so every sequence produces exactly `--new-tokens` tokens and

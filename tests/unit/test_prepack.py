@@ -169,3 +169,78 @@ def test_a_dropped_engine_is_freed_without_the_garbage_collector():
         assert layer() is None
     finally:
         gc.enable()
+
+
+class _Block(torch.nn.Module):
+    """An attention layer's and a gated MLP's projections, named as in Llama / Qwen2 (q/k/v with biases here)."""
+
+    def __init__(self, hidden=48, kv=16, inter=80, bias=True):
+        super().__init__()
+        self.q_proj, self.k_proj = torch.nn.Linear(hidden, hidden, bias=bias), torch.nn.Linear(hidden, kv, bias=bias)
+        self.v_proj = torch.nn.Linear(hidden, kv, bias=bias)
+        self.gate_proj, self.up_proj = torch.nn.Linear(hidden, inter, bias=False), torch.nn.Linear(hidden, inter, bias=False)
+
+
+@pytest.mark.skipif("onednn" not in KERNELS, reason="this torch has no oneDNN packed GEMM")
+@pytest.mark.parametrize("bias", [True, False])
+def test_sibling_projections_run_as_one_gemm_with_the_same_bits(bias):
+    torch.manual_seed(0)
+    fused_block, plain_block = _Block(bias=bias), _Block(bias=bias)
+    plain_block.load_state_dict(fused_block.state_dict())
+    fused, plain = Prepacker(fused_block, "onednn"), Prepacker(plain_block, "onednn", fuse=False)
+    assert len(fused.groups) == 2 and plain.groups == []
+    for rows in (1, 5, 64):
+        fused.prepare(rows), plain.prepare(rows)
+        assert fused.nbytes == plain.nbytes > 0
+        x = torch.randn(1, rows, 48)
+        with torch.inference_mode():
+            for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+                for name in names:  # the leader first, then each follower takes its columns of the one GEMM
+                    out, ref = getattr(fused_block, name)(x), getattr(plain_block, name)(x)
+                    assert torch.equal(out, ref), name
+                    layer = getattr(plain_block, name)
+                    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        fused.disarm(), plain.disarm()
+    assert fused.packs == 1
+    # A follower run on another input, or a second time on the same one, runs its own plain GEMM: exactly F.linear.
+    fused.prepare(8)
+    x, other = torch.randn(8, 48), torch.randn(8, 48)
+    fused_block.q_proj(x)
+    assert torch.equal(fused_block.k_proj(other), F.linear(other, fused_block.k_proj.weight, fused_block.k_proj.bias))
+    fused_block.k_proj(x)
+    assert torch.equal(fused_block.k_proj(x), F.linear(x, fused_block.k_proj.weight, fused_block.k_proj.bias))
+    # Outside inference mode an input changed in place since the leader ran is not the leader's input any more.
+    fused_block.gate_proj(x)
+    x.mul_(2.0)
+    assert torch.equal(fused_block.up_proj(x), F.linear(x, fused_block.up_proj.weight))
+    # A changed weight is packed again, fused.
+    with torch.no_grad():
+        fused_block.v_proj.weight.add_(1.0)
+    fused.disarm()
+    fused.prepare(8)
+    assert fused.packs == 2
+    fused_block.q_proj(x), fused_block.k_proj(x)
+    torch.testing.assert_close(fused_block.v_proj(x), F.linear(x, fused_block.v_proj.weight, fused_block.v_proj.bias),
+                               rtol=1e-5, atol=1e-5)
+    fused.disarm()
+    assert fused.groups[0][0].outputs == [], "nothing of a forward is held after it"
+
+
+@pytest.mark.skipif("onednn" not in KERNELS, reason="this torch has no oneDNN packed GEMM")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_projections_give_the_engine_the_same_bits(family, monkeypatch):
+    # A real decoder (Qwen2: q/k/v with biases) through the engine: packed with its q/k/v and gate/up fused, and
+    # packed one weight at a time, the same tokens and bitwise the same log-probs.
+    from sparserl.engines.native import prepack
+
+    reqs = requests(n=3, tokens=16)
+    fused_engine = engine("onednn", tiny_model(family), eos_token_ids=[])
+    assert len(fused_engine.runner.prepacker.groups) == 2 * 2  # two layers, two groups each
+    fused = fused_engine.generate(reqs)
+    monkeypatch.setattr(prepack, "FUSED_GROUPS", ())
+    apart_engine = engine("onednn", tiny_model(family), eos_token_ids=[])
+    assert apart_engine.runner.prepacker.groups == []
+    apart = apart_engine.generate(reqs)
+    for a, b in zip(fused, apart):
+        assert a.token_ids == b.token_ids and a.logp_sparse == b.logp_sparse
+    assert_same(fused, engine("off", tiny_model(family), eos_token_ids=[]).generate(reqs))
