@@ -1,7 +1,10 @@
 """Fixtures for the SGLang backend tests: tiny random fp32 Llama / Qwen2 folders and one engine host per family.
 
 The hosts are session-scoped (an SGLang start costs ~30-60 s on the CI machine) and every test that uses them
-skips where sglang is not installed, so the main suite passes without it.
+skips where sglang is not installed, so the main suite passes without it. The first test that asks for a family's
+host starts every family's host the session's tests name, side by side (`EngineHost` starts without waiting), and
+the modules that stop the session's hosts to run the trainer under torchrun (`STOPS_HOSTS`) run last, so each host
+starts once.
 """
 from __future__ import annotations
 
@@ -13,6 +16,12 @@ from tests.sglang.host import HAVE_SGLANG, SKIP_REASON, EngineHost
 
 FAMILIES = ("llama", "qwen2")
 _HOSTS: dict[str, EngineHost] = {}
+STOPS_HOSTS = ("test_tp_sglang.py", "test_trainer_sglang.py")  # modules that call close_hosts() first
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules that stop the session's hosts go last (a stable sort: the order within each part is kept)."""
+    items.sort(key=lambda item: item.path.name in STOPS_HOSTS)
 
 
 def build_tiny(family: str, tokenizer, seed: int = 0):
@@ -47,14 +56,18 @@ def host_options(**changes):
 
 
 @pytest.fixture(scope="session")
-def hosts(tiny_dirs):
-    """`hosts(family)`: the session's engine host for that tiny model, started on first use."""
+def hosts(tiny_dirs, request):
+    """`hosts(family)`: the session's engine host for that tiny model, started on first use together with the other
+    families' hosts that the session's tests name (their ids carry the family: `[qwen2]`)."""
     if not HAVE_SGLANG:
         pytest.skip(SKIP_REASON)
+    named = [f for f in FAMILIES if any(f"[{f}" in item.nodeid or f"-{f}]" in item.nodeid
+                                        for item in request.session.items)]
 
     def get(family: str) -> EngineHost:
-        if family not in _HOSTS:
-            _HOSTS[family] = EngineHost(tiny_dirs[family], host_options(), seed=0)
+        for f in [family] + named:
+            if f not in _HOSTS:
+                _HOSTS[f] = EngineHost(tiny_dirs[f], host_options(), seed=0)
         return _HOSTS[family]
 
     yield get

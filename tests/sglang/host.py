@@ -35,25 +35,37 @@ class HostError(RuntimeError):
 
 
 class EngineHost:
+    """The host process starts at construction; the first command (or `wait_ready`) waits for its engine. Hosts made
+    one after another thus start side by side (an SGLang start is mostly single-threaded imports, ~30-60 s on the
+    CI machine's two cores)."""
+
     def __init__(self, model_dir: Path, options, seed: int = 0, start_timeout: float = 480.0):
         self.workdir = Path(tempfile.mkdtemp(prefix="sglang-host-"))
         self.log_path = self.workdir / "host.log"
         address = str(self.workdir / "sock")
         authkey = secrets.token_bytes(16)
-        listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.sglang.host", address, authkey.hex(), str(model_dir),
              json.dumps(asdict(options)), str(seed)],
             cwd=ROOT, env=env, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
         )
-        box: list = []
-        accepter = threading.Thread(target=lambda: box.append(listener.accept()), daemon=True)
-        accepter.start()
-        self._wait(lambda: not accepter.is_alive(), start_timeout, "connect")
-        self.conn = box[0]
-        listener.close()
-        self.start_s = self._call("ready", timeout=start_timeout)
+        self._box: list = []
+        self._accepter = threading.Thread(target=lambda: self._box.append(self._listener.accept()), daemon=True)
+        self._accepter.start()
+        self.start_timeout = start_timeout
+        self.conn = None
+        self.start_s: float | None = None  # the engine's own start time, once ready
+
+    def wait_ready(self) -> "EngineHost":
+        """Block until the host's engine has started (a no-op after the first time)."""
+        if self.conn is None:
+            self._wait(lambda: not self._accepter.is_alive(), self.start_timeout, "connect")
+            self.conn = self._box[0]
+            self._listener.close()
+            self.start_s = self._call("ready", timeout=self.start_timeout)
+        return self
 
     def _wait(self, done, timeout: float, what: str) -> None:
         t0 = time.monotonic()
@@ -69,6 +81,7 @@ class EngineHost:
 
     def _call(self, cmd: str, *args, timeout: float = 480.0):
         if cmd != "ready":
+            self.wait_ready()
             self.conn.send((cmd, args))
         self._wait(lambda: self.conn.poll(0), timeout, cmd)
         status, payload = self.conn.recv()

@@ -6,8 +6,8 @@
   kept logical positions at every trigger, for 80 new tokens;
 - a pool that holds 2 sequences densely runs 8 compressed ones at once, every slot free again after each
   generate (the engine raises otherwise; SGLang's own per-step conservation check is on in these hosts).
-Four engines are started for this file (one per policy config, one at a time for the wide ones); each test
-reuses them.
+Four engines are started for this file (one per policy config), side by side when the module starts; each test
+reuses them, and each is stopped when its tests are done.
 """
 import dataclasses
 import os
@@ -46,21 +46,35 @@ def _host(tiny_dirs, **options):
     return EngineHost(tiny_dirs["llama"], host_options(**options), start_timeout=1200)
 
 
-@pytest.fixture(scope="module", params=["rkv", "snapkv", "streaming"])
-def wide_host(request, tiny_dirs):
-    """The policy with a budget no sequence here reaches, over a roomy pool."""
-    policy = KVPolicyConfig(algorithm=request.param, budget=512, divide_length=16, window=8)
-    host = _host(tiny_dirs, kv=dataclasses.asdict(policy))
+WIDE = ("rkv", "snapkv", "streaming")
+
+
+@pytest.fixture(scope="module")
+def file_hosts(tiny_dirs):
+    """This file's four engines, started side by side: each policy with a budget no sequence here reaches over a
+    roomy pool (WIDE), and "pool": R-KV budget 32 over a pool that holds 2 sequences at their dense length,
+    reporting kept positions."""
+    started = {name: _host(tiny_dirs, kv=dataclasses.asdict(KVPolicyConfig(algorithm=name, budget=512,
+                                                                             divide_length=16, window=8)))
+               for name in WIDE}
+    started["pool"] = _host(tiny_dirs, max_total_tokens=POOL, kv=dataclasses.asdict(RKV), kv_trace=True)
+    yield started
+    for host in started.values():
+        host.close()
+
+
+@pytest.fixture(scope="module", params=WIDE)
+def wide_host(request, file_hosts):
+    """The policy with a budget no sequence here reaches, over a roomy pool; stopped when its tests are done."""
+    host = file_hosts[request.param]
     yield host
     host.close()
 
 
 @pytest.fixture(scope="module")
-def rkv_host(tiny_dirs):
+def rkv_host(file_hosts):
     """R-KV budget 32 over a pool that holds 2 sequences at their dense length, reporting kept positions."""
-    host = _host(tiny_dirs, max_total_tokens=POOL, kv=dataclasses.asdict(RKV), kv_trace=True)
-    yield host
-    host.close()
+    return file_hosts["pool"]
 
 
 @pytest.fixture(scope="module")
