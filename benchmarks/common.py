@@ -120,17 +120,13 @@ def matmul_floor(model, rows: list[int], head_rows: list[int], repeats: int = 5)
 
 def _fused_linear_weights(model) -> list[torch.Tensor]:
     """Every linear weight but the LM head's, with the sibling projections the native engine packs as one weight
-    (oneDNN's kernel: q/k/v, gate/up; engines/native/prepack.py `FUSED_GROUPS`) concatenated."""
-    from sparserl.engines.native.prepack import FUSED_GROUPS
+    (oneDNN's kernel: q/k/v, gate/up; engines/native/prepack.py `sibling_groups`) concatenated."""
+    from sparserl.engines.native.prepack import sibling_groups
 
     head = model.get_output_embeddings()
-    grouped, out = set(), []
-    for module in model.modules():
-        for names in FUSED_GROUPS:
-            members = [getattr(module, name, None) for name in names]
-            if all(isinstance(x, torch.nn.Linear) for x in members):
-                out.append(torch.cat([x.weight.detach() for x in members]))
-                grouped.update(id(x) for x in members)
+    groups = sibling_groups(model)
+    grouped = {id(x) for members in groups for x in members}
+    out = [torch.cat([x.weight.detach() for x in members]) for members in groups]
     return out + [x.weight for x in model.modules()
                   if isinstance(x, torch.nn.Linear) and x is not head and id(x) not in grouped]
 

@@ -150,6 +150,19 @@ class PackState:
         return rows <= self.rows and rows >= serves_from(self.rows)
 
 
+def sibling_groups(model: nn.Module) -> list[list[nn.Linear]]:
+    """The model's `FUSED_GROUPS` that can run as one GEMM: linear layers of one module reading inputs of one width,
+    all with a bias or none."""
+    groups = []
+    for module in model.modules():
+        for names in FUSED_GROUPS:
+            members = [getattr(module, name, None) for name in names]
+            if all(isinstance(m, nn.Linear) for m in members) and len({m.in_features for m in members}) == 1 \
+                    and len({m.bias is None for m in members}) == 1:
+                groups.append(members)
+    return groups
+
+
 def _version(x: torch.Tensor) -> int:
     """The tensor's in-place version counter; inference tensors (the engine's forwards) keep none: 0."""
     return 0 if x.is_inference() else x._version
@@ -252,16 +265,12 @@ class Prepacker:
         # Sibling projections packed as one weight (oneDNN's layout only: MKL's needs the plain weight beside it).
         self.groups: list[tuple[FusedGroup, list[PackedLinear]]] = []
         if fuse and kernel == "onednn":
-            for module in model.modules():
-                for names in FUSED_GROUPS:
-                    members = [getattr(module, name, None) for name in names]
-                    if all(type(m) is PackedLinear and m._group is None for m in members) \
-                            and len({m.in_features for m in members}) == 1 \
-                            and len({m.bias is None for m in members}) == 1:
-                        group = FusedGroup([m.out_features for m in members])
-                        for i, m in enumerate(members):
-                            m._group, m._group_index = group, i
-                        self.groups.append((group, members))
+            for members in sibling_groups(model):
+                if all(type(m) is PackedLinear for m in members):
+                    group = FusedGroup([m.out_features for m in members])
+                    for i, m in enumerate(members):
+                        m._group, m._group_index = group, i
+                    self.groups.append((group, members))
         self.versions: list[tuple[int, int]] = []  # each weight's (storage, version counter) when it was packed
         self.packs = 0  # times the weights were packed (stats for tests and benchmarks)
         self.packed_forwards = 0  # forwards that ran on packed weights
