@@ -6,6 +6,7 @@ control and the dense rescue, at two KV settings, several seeds, one held-out ev
     python benchmarks/replicate_gain.py --max-minutes 90         # start no new run after 90 minutes
     python benchmarks/replicate_gain.py --report-only            # the tables and plots from the records alone
     python benchmarks/replicate_gain.py --quick --out /tmp/g     # smoke run: tiny sizes, one seed
+    python benchmarks/replicate_gain.py --jobs 2                 # two runs at a time, each on half the cores
 
 The task is envs/long_chain.py at 12 links: a ~127-token prompt lists 12 word links in random order and the
 response walks the chain, one numbered line per link (~78 tokens); the reward is the fraction of the chain
@@ -62,8 +63,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from benchmarks.common import machine  # noqa: E402
 from benchmarks.gain_report import KEPT, mean_se, prompt_se, report, run_gain, share  # noqa: E402,F401
 from benchmarks.replicate_long import MEASURE, write_data  # noqa: E402
-from benchmarks.replicate_sparse_rl import (add_kv_scoring_args, eval_command, eval_set_name, grpo_command,  # noqa: E402
-                                            read_metrics, run, run_grpo, sft_command)
+from benchmarks.replicate_sparse_rl import (add_jobs_arg, add_kv_scoring_args, eval_command, eval_set_name,  # noqa: E402
+                                            grpo_command, read_metrics, run, run_all, run_grpo, sft_command)
 
 CONFIGS = ("dense", "naive_sparse", "sparse_rl", "tail", "rescue")
 EXTRA_CONFIGS = ("tail_p01", "rescue_group")  # run only when named in --configs
@@ -108,6 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--report-only", action="store_true", help="run nothing: tables and plots from the records")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and stop")
     ap.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for the GRPO runs")
+    add_jobs_arg(ap)
     args = ap.parse_args(argv)
     args.env, args.compress_prompt, args.keep_checkpoints = "envs/long_chain.py", True, args.keep_policies
     if args.quick:
@@ -236,10 +238,11 @@ def ensure_warm_start(args, out: Path, records: Path) -> None:
     sft_dir = out / "sft"
     if not (sft_dir / "hf" / "config.json").exists():
         run(sft_command(args, sft_dir, out / "data" / "sft.jsonl"), out / "sft.log")
-    for name, cmd in warm_start_evals(args, out).items():
+    evals = warm_start_evals(args, out)
+    run_all([lambda name=name, cmd=cmd: run(cmd, out / "eval" / f"{name}.log") for name, cmd in evals.items()
+             if not (out / "eval" / name / "samples.jsonl").exists()], args.jobs)
+    for name, cmd in evals.items():
         folder = out / "eval" / name
-        if not (folder / "samples.jsonl").exists():
-            run(cmd, out / "eval" / f"{name}.log")
         rec = {"cmd": portable(cmd, out), "eval": scores(folder, args), "machine": machine()}
         path = records / f"{name}.json"
         old = json.loads(path.read_text()) if path.exists() else None
@@ -290,18 +293,25 @@ def main(argv=None) -> None:
     if not args.report_only:
         write_data(args, out / "data")
         ensure_warm_start(args, out, records)
+        todo = []
         for i, r in enumerate(runs):
             if load_record(records / f"{r['name']}.json", portable(r["cmd"], out), portable(r["eval_cmd"], out)):
                 print(f"[{i + 1}/{len(runs)}] {r['name']}: recorded, not rerun", flush=True)
-                continue
+            else:
+                todo.append((i, r))
+
+        def start(i: int, r: dict) -> bool:
             minutes = (time.perf_counter() - t0) / 60
             if args.max_minutes is not None and minutes >= args.max_minutes:
-                print(f"\n--max-minutes {args.max_minutes}: stopping after {minutes:.1f} min; "
-                      f"{sum(1 for x in runs[i:] if not (records / (x['name'] + '.json')).exists())} runs left")
-                break
+                return False
             print(f"\n[{i + 1}/{len(runs)}] {r['name']} ({minutes:.1f} min so far)", flush=True)
             run_one(args, r, out, records)
-            done_now += 1
+            return True
+
+        done_now = sum(run_all([lambda i=i, r=r: start(i, r) for i, r in todo], args.jobs))
+        if done_now < len(todo):
+            print(f"\n--max-minutes {args.max_minutes}: stopping after {(time.perf_counter() - t0) / 60:.1f} min; "
+                  f"{len(todo) - done_now} runs left")
     out.mkdir(parents=True, exist_ok=True)
     text = report(args, out, records, EXTRA_CONFIGS)
     print("\n" + text)

@@ -2,6 +2,7 @@
 
     python benchmarks/replicate_long.py --out outputs/replicate_long                 # the full experiment (3 seeds, 94.7 min on a 2-core EPYC)
     python benchmarks/replicate_long.py --out /tmp/replicate_long_quick --quick      # smoke run, one seed, ~2 min
+    python benchmarks/replicate_long.py --jobs 2 ...   # two runs (then two evaluations) at a time, each on half the cores
 
 The task (envs/long_chain.py) lists 30 word links "a -> b" in a random order and asks for the chain from a
 start word, one numbered line per link: a ~200-token response in which every line reads a different fact of
@@ -63,9 +64,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from benchmarks.common import machine, print_table  # noqa: E402
-from benchmarks.replicate_sparse_rl import (PRESETS, add_kv_scoring_args, env_module, eval_command,  # noqa: E402
-                                            eval_set_name, fmt, grpo_command, read_metrics, run, run_grpo, sft_command,
-                                            write_jsonl)
+from benchmarks.replicate_sparse_rl import (PRESETS, add_jobs_arg, add_kv_scoring_args, env_module,  # noqa: E402
+                                            eval_command, eval_set_name, fmt, grpo_command, read_metrics, run, run_all,
+                                            run_grpo, sft_command, write_jsonl)
 
 ENV_PATH = "envs/long_chain.py"
 # algo.correction in "measure" mode: the Sparse-RL filters' numbers are logged, the update is untouched.
@@ -107,6 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eval-compressed", action="store_true", help="also evaluate every final policy under the R-KV settings")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and stop")
     ap.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for the GRPO runs")
+    add_jobs_arg(ap)
     ap.set_defaults(env=ENV_PATH)
     args = ap.parse_args(argv)
     if args.quick:
@@ -322,23 +324,29 @@ def main(argv=None) -> None:
         seconds["sft"] = run(sft_cmd, out / "sft.log")
     else:
         print(f"\nwarm-start: reusing {sft_dir / 'hf'} (--redo-sft reruns it)")
-    for (preset, seed), cmd in commands.items():
+
+    def grpo(preset, seed, cmd):
         d = run_dir(out, preset, seed)
-        took = run_grpo(cmd, d, args.steps, d.parent / f"seed{seed}.cmd", d.parent / f"seed{seed}.log", args.keep_checkpoints)
-        if took is not None:
-            seconds[f"{preset} seed {seed}"] = took
+        return run_grpo(cmd, d, args.steps, d.parent / f"seed{seed}.cmd", d.parent / f"seed{seed}.log", args.keep_checkpoints)
+
+    took = run_all([lambda key=key, cmd=cmd: grpo(*key, cmd) for key, cmd in commands.items()], args.jobs)
+    for (preset, seed), t in zip(commands, took):
+        if t is not None:
+            seconds[f"{preset} seed {seed}"] = t
 
     evals: dict[str, dict] = {}
     if args.eval_prompts:
         t0 = time.perf_counter()
         print(f"\nheld-out evaluation: {args.eval_prompts} prompts x {args.eval_n} samples, temperature 1", flush=True)
-        evals["warm-start_dense"] = evaluate(args, "warm-start_dense", sft_dir / "hf", data["held_out"], out, False)
-        evals["warm-start_rkv"] = evaluate(args, "warm-start_rkv", sft_dir / "hf", data["held_out"], out, True)
+        todo = {"warm-start_dense": (sft_dir / "hf", False), "warm-start_rkv": (sft_dir / "hf", True)}
         for preset, seed in commands:
             model = run_dir(out, preset, seed) / "hf"
-            evals[f"{preset}_seed{seed}"] = evaluate(args, f"{preset}_seed{seed}", model, data["held_out"], out, False)
+            todo[f"{preset}_seed{seed}"] = (model, False)
             if args.eval_compressed:
-                evals[f"{preset}_seed{seed}_rkv"] = evaluate(args, f"{preset}_seed{seed}_rkv", model, data["held_out"], out, True)
+                todo[f"{preset}_seed{seed}_rkv"] = (model, True)
+        results = run_all([lambda name=name, model=model, rkv=rkv: evaluate(args, name, model, data["held_out"], out, rkv)
+                           for name, (model, rkv) in todo.items()], args.jobs)
+        evals = dict(zip(todo, results))
         seconds["eval"] = time.perf_counter() - t0
 
     metrics = {key: read_metrics(run_dir(out, *key)) for key in commands}

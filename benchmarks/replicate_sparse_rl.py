@@ -45,8 +45,11 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -140,9 +143,14 @@ def grpo_command(args, preset: str, model: Path, data: Path, out: Path, extra: t
     ]
 
 
+_side_by_side = threading.local()  # set in the threads of `run_all` with jobs > 1
+
+
 def run(cmd: list[str], log: Path) -> float:
-    """Run `cmd` from the repo root, echoing its output and keeping it in `log`; exit on failure."""
-    print(f"\n$ {shlex.join(cmd)}", flush=True)
+    """Run `cmd` from the repo root, echoing its output and keeping it in `log`; exit on failure. Inside `run_all`
+    with more than one job the output goes to `log` only, with one line when the command starts and one when it ends."""
+    alone = not getattr(_side_by_side, "on", False)
+    print(f"\n$ {shlex.join(cmd)}" if alone else f"started: {shlex.join(cmd)}\n  (output: {log})", flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "SPARSERL_PROGRESS": "0"}
     t0 = time.perf_counter()
@@ -151,12 +159,43 @@ def run(cmd: list[str], log: Path) -> float:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
             f.write(line)
-            if not line.startswith("Loading weights"):
+            if alone and not line.startswith("Loading weights"):
                 print("  " + line, end="", flush=True)
         code = proc.wait()
     if code != 0:
-        sys.exit(f"the command above failed with exit code {code}; its output is in {log}")
+        sys.exit(f"{'the command above' if alone else shlex.join(cmd)} failed with exit code {code}; "
+                 f"its output is in {log}")
+    if not alone:
+        print(f"finished in {time.perf_counter() - t0:.0f} s: {log}", flush=True)
     return time.perf_counter() - t0
+
+
+def add_jobs_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs and evaluations side by side (each with CPUs / jobs threads unless OMP_NUM_THREADS is set); "
+                         "their outputs then go to their logs only")
+
+
+def run_all(tasks: list[Callable[[], object]], jobs: int) -> list:
+    """Call `tasks` (each runs its commands with `run`) `jobs` at a time; their results in order. The first failure
+    cancels the tasks still waiting and is raised once the running ones are done."""
+    if jobs <= 1 or len(tasks) <= 1:
+        return [task() for task in tasks]
+    if "OMP_NUM_THREADS" not in os.environ:  # the runs' torch threads share the machine's cores
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+
+    def side_by_side(task):
+        _side_by_side.on = True
+        return task()
+
+    with ThreadPoolExecutor(jobs) as pool:
+        futures = [pool.submit(side_by_side, task) for task in tasks]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
 
 
 def run_grpo(cmd: list[str], run_dir: Path, steps: int, stamp: Path, log: Path, keep_checkpoints: bool) -> float | None:

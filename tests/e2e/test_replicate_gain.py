@@ -27,7 +27,8 @@ def test_quick_mode_records_every_run_and_resumes_from_the_records(tiny_checkpoi
     out = tmp_path / "gain"
     # naive_sparse and sparse_rl are tail and rescue without their extra machinery: their commands are checked by
     # the dry run below, and the pipeline here runs the three that exercise every code path (5 runs instead of 9).
-    quick = ("--quick", "--model", tiny_checkpoint, "--out", out, "--precision", "float32", "--configs", *CONFIGS)
+    quick = ("--quick", "--model", tiny_checkpoint, "--out", out, "--precision", "float32", "--configs", *CONFIGS,
+             "--jobs", "2")  # two runs at a time (one thread each): the runs' output goes to their logs
     first = _script(*quick)
     records = out / "records"
     names = ["dense_seed0"] + [f"{s}_{c}_seed0" for s in ("loose", "tight") for c in CONFIGS[1:]]

@@ -18,7 +18,7 @@ def test_quick_mode_runs_every_config(tiny_checkpoint, tmp_path):
     out = tmp_path / "long"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0"}
     res = subprocess.run([sys.executable, "benchmarks/replicate_long.py", "--quick", "--model", str(tiny_checkpoint),
-                          "--out", str(out)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+                          "--out", str(out), "--jobs", "2"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
 
     for preset in PRESETS:
@@ -84,3 +84,23 @@ def test_statistics_over_seeds():
     assert c["dense"]["reward/mean"]["std"] == pytest.approx([0.1 * 2 ** 0.5, 0.0])  # sample std of 0.2, 0.4
     assert c["dense"]["x"] == {"steps": [1], "mean": [2.0], "std": [pytest.approx(2 ** 0.5)], "seeds": [2]}
     assert c["sparse_rl"]["x"]["steps"] == []
+
+
+def test_jobs_run_side_by_side_in_order_and_a_failure_exits(tmp_path, capsys):
+    from benchmarks.replicate_sparse_rl import run, run_all
+
+    stamp = "import sys, time; t = time.time(); time.sleep(1.5); print(t, time.time()); sys.exit(int(sys.argv[1]))"
+    logs = [tmp_path / f"{i}.log" for i in range(3)]
+    took = run_all([lambda log=log: run([sys.executable, "-c", stamp, "0"], log) for log in logs], jobs=2)
+    assert len(took) == 3 and all(t >= 1.5 for t in took)
+    spans = [tuple(map(float, log.read_text().split())) for log in logs]
+    assert spans[1][0] < spans[0][1] and spans[0][0] < spans[1][1]  # the first two ran at the same time
+    assert max(spans[0][1], spans[1][1]) <= spans[2][0] + 0.5  # the third waited for a free job
+    printed = capsys.readouterr().out
+    assert printed.count("started: ") == 3 and printed.count("finished in ") == 3
+    assert all(log.read_text().strip() not in printed for log in logs)  # each job's output is in its log only
+
+    with pytest.raises(SystemExit, match=r"failed with exit code 3; its output is in .*bad\.log"):
+        run_all([lambda: run([sys.executable, "-c", stamp, "0"], tmp_path / "ok.log"),
+                 lambda: run([sys.executable, "-c", stamp, "3"], tmp_path / "bad.log")], jobs=2)
+    assert (tmp_path / "ok.log").read_text().strip()  # the other job ran to its end

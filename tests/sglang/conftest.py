@@ -4,9 +4,12 @@ The hosts are session-scoped (an SGLang start costs ~30-60 s on the CI machine) 
 skips where sglang is not installed, so the main suite passes without it. The first test that asks for a family's
 host starts every family's host the session's tests name, side by side (`EngineHost` starts without waiting), and
 the modules that stop the session's hosts to run the trainer under torchrun (`STOPS_HOSTS`) run last, so each host
-starts once.
+starts once. A module with an engine of its own registers it (`register_early`): it starts with the session's hosts
+when that module's tests are selected, and the module takes it when its tests come (`take_early`).
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import pytest
 import torch
@@ -16,6 +19,8 @@ from tests.sglang.host import HAVE_SGLANG, SKIP_REASON, EngineHost
 
 FAMILIES = ("llama", "qwen2")
 _HOSTS: dict[str, EngineHost] = {}
+_EARLY_FACTORIES: dict[str, Callable[[dict], EngineHost]] = {}  # test module file name -> factory(tiny_dirs)
+_EARLY: dict[str, EngineHost] = {}  # started, not yet taken by their module
 STOPS_HOSTS = ("test_tp_sglang.py", "test_trainer_sglang.py")  # modules that call close_hosts() first
 
 
@@ -70,8 +75,28 @@ def hosts(tiny_dirs, request):
                 _HOSTS[f] = EngineHost(tiny_dirs[f], host_options(), seed=0)
         return _HOSTS[family]
 
+    start_early(tiny_dirs, request.session.items)
     yield get
     close_hosts()
+    while _EARLY:
+        _EARLY.popitem()[1].close()
+
+
+def register_early(module: str, factory: Callable[[dict], EngineHost]) -> None:
+    """`module`'s own engine (factory(tiny_dirs)) starts beside the session's hosts when any of its tests is selected."""
+    _EARLY_FACTORIES[module] = factory
+
+
+def start_early(tiny_dirs, items) -> None:
+    for module, factory in _EARLY_FACTORIES.items():
+        if module not in _EARLY and any(item.path.name == module for item in items):
+            _EARLY[module] = factory(tiny_dirs)
+
+
+def take_early(module: str, tiny_dirs) -> EngineHost:
+    """The module's own engine: the one started early, else started now."""
+    host = _EARLY.pop(module, None)
+    return host if host is not None else _EARLY_FACTORIES[module](tiny_dirs)
 
 
 def close_hosts() -> None:

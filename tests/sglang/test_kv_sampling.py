@@ -9,12 +9,13 @@
 - the compactor's query ring is freed when the engine sleeps, and allocated again after wake.
 """
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from sparserl.kv import KVPolicyConfig
 from sparserl.engines.types import GenerationRequest, SamplingParams
-from tests.sglang.conftest import host_options
+from tests.sglang.conftest import host_options, register_early, take_early
 from tests.sglang.host import HAVE_SGLANG, SKIP_REASON, EngineHost
 
 pytestmark = pytest.mark.skipif(not HAVE_SGLANG, reason=SKIP_REASON)
@@ -39,11 +40,18 @@ def repeated_4gram_share(tokens: list[int]) -> float:
     return repeats / len(grams)
 
 
-@pytest.fixture(scope="module")
-def sampled_host(tiny_dirs):
-    host = EngineHost(tiny_dirs["llama"], host_options(kv=dataclasses.asdict(RKV), kv_trace=True, kv_count_syncs=True,
-                                                   release_weights=False),
+def _sampled_host(tiny_dirs) -> EngineHost:
+    return EngineHost(tiny_dirs["llama"], host_options(kv=dataclasses.asdict(RKV), kv_trace=True, kv_count_syncs=True,
+                                                     release_weights=False),
                       start_timeout=1200)
+
+
+register_early(Path(__file__).name, _sampled_host)  # starts beside the session's hosts
+
+
+@pytest.fixture(scope="module")
+def sampled_host(tiny_dirs, hosts):
+    host = take_early(Path(__file__).name, tiny_dirs)
     yield host
     host.close()
 
