@@ -8,7 +8,7 @@ import pytest
 
 from sparserl.trainer.metric_names import find
 from tests.e2e.test_faults import assert_same_run
-from tests.e2e.test_trainer import read_metrics, tiny_args, trainer, write_data
+from tests.e2e.test_trainer import read_metrics, side_by_side, tiny_args, trainer, write_data
 
 # A reward that varies between the samples of a random model: the parity of the answer's characters.
 PARITY_ENV = '''
@@ -40,7 +40,13 @@ def task(tmp_path_factory):
 def test_resume_in_the_middle_matches_the_uninterrupted_run(tiny_checkpoint, task, tmp_path):
     data, env = task
     full, parted = tmp_path / "full", tmp_path / "parted"
-    res = trainer(_args(tiny_checkpoint, data, env, full), nproc=2)
+
+    def stop_then_resume():
+        res = trainer(_args(tiny_checkpoint, data, env, parted, **{"trainer.stop_after": 2}), nproc=2)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return trainer(_args(tiny_checkpoint, data, env, parted, **{"trainer.resume": "auto"}), nproc=2)
+
+    res, resumed = side_by_side(lambda: trainer(_args(tiny_checkpoint, data, env, full), nproc=2), stop_then_resume)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "old log-probs: a separate forward pass (algo.dynamic_sampling" in res.stdout + res.stderr
     rows = read_metrics(full)
@@ -53,9 +59,6 @@ def test_resume_in_the_middle_matches_the_uninterrupted_run(tiny_checkpoint, tas
     assert any(m["dynamic/rounds"] > 1 for m in rows), "no step needed a second round: the run covers too little"
     assert not sorted({k for m in rows for k in m if find(k) is None})
 
-    res = trainer(_args(tiny_checkpoint, data, env, parted, **{"trainer.stop_after": 2}), nproc=2)
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = trainer(_args(tiny_checkpoint, data, env, parted, **{"trainer.resume": "auto"}), nproc=2)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "resumed from" in res.stdout + res.stderr
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
     assert_same_run(full, parted)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from sparserl.eval.model import load_dcp_weights
-from tests.e2e.test_trainer import ROOT, read_metrics, tiny_args, trainer, write_data
+from tests.e2e.test_trainer import ROOT, read_metrics, side_by_side, tiny_args, trainer, write_data
 
 # Rewards the sum; each step call sleeps so a step lasts long enough to be interrupted in the middle.
 SLOW_ENV = '''
@@ -203,15 +203,15 @@ def _assert_close(ref: Path, got: Path, rel: float = 1e-6) -> None:
 def test_elastic_resume_on_another_number_of_processes(tiny_checkpoint, task_args, tmp_path):
     """Saved with N processes, resumed with M: step 3's loss and the weights after it equal (1e-6 rel) a resume
     on the same number of processes, i.e. a run that never changed world size. 2 -> 1, 2 -> 4, 1 -> 2."""
-    bases = {}
-    for saved_with in (2, 1):
-        bases[saved_with] = tmp_path / f"saved_{saved_with}"
-        res = trainer(task_args(bases[saved_with]) + ["trainer.stop_after=2"], nproc=saved_with)
+    bases = {n: tmp_path / f"saved_{n}" for n in (2, 1)}
+    for res in side_by_side(*[lambda n=n: trainer(task_args(bases[n]) + ["trainer.stop_after=2"], nproc=n) for n in bases]):
         assert res.returncode == 0, res.stderr[-3000:]
-    ref = _resume_with(bases[2], tmp_path, 2, task_args)
-    for nproc in (1, 4):
-        _assert_close(ref, _resume_with(bases[2], tmp_path, nproc, task_args))
-    _assert_close(_resume_with(bases[1], tmp_path, 1, task_args), _resume_with(bases[1], tmp_path, 2, task_args))
+    resumes = [(2, 2), (2, 1), (2, 4), (1, 1), (1, 2)]  # (saved with, resumed with)
+    ref, to_1, to_4, ref_1, to_2 = side_by_side(*[lambda s=s, n=n: _resume_with(bases[s], tmp_path, n, task_args)
+                                                  for s, n in resumes])
+    _assert_close(ref, to_1)
+    _assert_close(ref, to_4)
+    _assert_close(ref_1, to_2)
 
 
 @pytest.fixture
@@ -225,8 +225,11 @@ def task_args(tiny_checkpoint, tmp_path):
 
 
 def test_nan_loss_on_one_rank_skips_the_step_everywhere(tiny_checkpoint, task_args, tmp_path):
-    out = tmp_path / "nan"
-    res = trainer(task_args(out) + ["trainer.save_every=1"], nproc=2, extra_env={"SPARSERL_FAULT": "nan_loss:2:1"})
+    out, stop = tmp_path / "nan", tmp_path / "nan_stop"
+    res, stopped = side_by_side(
+        lambda: trainer(task_args(out) + ["trainer.save_every=1"], nproc=2, extra_env={"SPARSERL_FAULT": "nan_loss:2:1"}),
+        lambda: trainer(task_args(stop) + ["trainer.save_every=1", "trainer.total_steps=4", "trainer.max_skipped_steps=2"],
+                        nproc=2, extra_env={"SPARSERL_FAULT": "nan_loss:2,3:0"}))
     assert res.returncode == 0, res.stderr[-3000:]
     metrics = read_metrics(out)
     assert [m["actor/skipped_steps"] for m in metrics] == [0, 1, 0]
@@ -234,14 +237,11 @@ def test_nan_loss_on_one_rank_skips_the_step_everywhere(tiny_checkpoint, task_ar
     assert all(torch.equal(weights[1][k], weights[2][k]) for k in weights[1])  # step 2 changed no weight
     assert any(not torch.equal(weights[2][k], weights[3][k]) for k in weights[2])  # step 3 trained again
 
-    out = tmp_path / "nan_stop"
-    res = trainer(task_args(out) + ["trainer.save_every=1", "trainer.total_steps=4", "trainer.max_skipped_steps=2"],
-                  nproc=2, extra_env={"SPARSERL_FAULT": "nan_loss:2,3:0"})
-    assert res.returncode != 0
-    line = next(x for x in res.stderr.splitlines() if x.startswith("stopped:"))
+    assert stopped.returncode != 0
+    line = next(x for x in stopped.stderr.splitlines() if x.startswith("stopped:"))
     assert "step 3: 2 optimizer steps in a row had a non-finite loss or gradient norm" in line
-    assert f"the last good checkpoint is {out / 'checkpoints' / 'step_000002'}" in line
-    assert "Traceback" not in res.stderr.split("stopped:")[0][-2000:]
+    assert f"the last good checkpoint is {stop / 'checkpoints' / 'step_000002'}" in line
+    assert "Traceback" not in stopped.stderr.split("stopped:")[0][-2000:]
 
 
 def test_hung_env_step_times_out_and_the_run_finishes(tiny_checkpoint, tmp_path):

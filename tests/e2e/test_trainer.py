@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,15 @@ def trainer(args, nproc=1, cwd=None, timeout=600, extra_env=None, torchrun=False
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "sparserl.trainer.grpo", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT)
+
+
+def side_by_side(*calls):
+    """Call `calls` (each runs its own trainer processes) two at a time; their results in order. The trainer's test
+    processes run one thread each, so two runs share the 2 cores that one run's start-up (imports on one core) leaves
+    half idle. A failure in either is raised here."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [f.result() for f in futures]
 
 
 def read_metrics(out: Path) -> list[dict]:
@@ -93,13 +103,16 @@ def test_dense_run_parity_env_errors_and_export(tiny_checkpoint, task, tmp_path)
 def test_resume_matches_uninterrupted_run(tiny_checkpoint, task, tmp_path):
     data, env = task
     full, cut = tmp_path / "full", tmp_path / "cut"
-    res = trainer(tiny_args(tiny_checkpoint, data, env, full, steps=3), nproc=2)
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = trainer(tiny_args(tiny_checkpoint, data, env, cut, steps=3, **{"trainer.stop_after": 2}), nproc=2)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert [m["step"] for m in read_metrics(cut)] == [1, 2] and not (cut / "hf").exists()
-    res = trainer(tiny_args(tiny_checkpoint, data, env, cut, steps=3, **{"trainer.resume": "auto"}), nproc=2)
-    assert res.returncode == 0, res.stderr[-3000:]
+
+    def cut_then_resume():
+        res = trainer(tiny_args(tiny_checkpoint, data, env, cut, steps=3, **{"trainer.stop_after": 2}), nproc=2)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert [m["step"] for m in read_metrics(cut)] == [1, 2] and not (cut / "hf").exists()
+        return trainer(tiny_args(tiny_checkpoint, data, env, cut, steps=3, **{"trainer.resume": "auto"}), nproc=2)
+
+    for res in side_by_side(lambda: trainer(tiny_args(tiny_checkpoint, data, env, full, steps=3), nproc=2),
+                            cut_then_resume):
+        assert res.returncode == 0, res.stderr[-3000:]
     a, b = read_metrics(full), read_metrics(cut)
     assert [m["step"] for m in b] == [1, 2, 3]
     timing = ("perf/", "mem/", "kv/compress_s")
