@@ -181,6 +181,9 @@ class ActorConfig:
                                         "pass)")
     share_prompts: bool = opt(True, "compute a prompt once per micro-batch for all of its samples (exact; fewer "
                                     "tokens)")
+    skip_zero_advantage: bool = opt(True, "sequences whose group's rewards all tie (advantage 0) run their forward "
+                                          "without autograd and skip backward, where the loss is 0 for them (no KL "
+                                          "or entropy term; exact)")
     lora: LoRAConfig = opt(LoRAConfig, "Low-rank adapters (the peft library): only the adapters train; the engines "
                                        "receive base + adapter merged.")
 

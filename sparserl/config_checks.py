@@ -218,7 +218,7 @@ RANGES: dict[str, Rule] = {
 FREE = ("model.path", "model.activation_checkpointing", "model.allow_pickle_weights", "data.train_path", "data.system_prompt", "data.shuffle",
         "env.path", "env.openreward.envs", "env.openreward.base_url", "env.openreward.serve", "rollout.release_weights", "rollout.quantize_lm_head", "rollout.kv.compress_prompt",
         "rollout.sglang.attention_backend", "rollout.sglang.cuda_graph", "rollout.sglang.memory_saver", "rollout.sglang.log_level",
-        "actor.balance_ranks", "actor.fuse_old_logprobs", "actor.share_prompts", "algo.correction.enable", "algo.correction.is_batch_normalize",
+        "actor.balance_ranks", "actor.fuse_old_logprobs", "actor.share_prompts", "actor.skip_zero_advantage", "algo.correction.enable", "algo.correction.is_batch_normalize",
         "algo.correction.apply_to_kl", "algo.correction.rejected_in_baseline",
         "actor.lora.export_merged", "algo.dynamic_sampling.enable", "algo.overlong.mask", "trainer.export_hf", "eval.datasets",
         "eval.data_dir", "eval.output_dir", "logger.progress", "logger.wandb.name")

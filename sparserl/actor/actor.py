@@ -77,8 +77,12 @@ class Actor:
                  max_tokens_per_device: int = 8192, activation_checkpointing: bool = False, trainable: bool = True,
                  sampling: tuple[float, float, int] = (1.0, 1.0, 0), entropy_grad: bool = False,
                  logprob_chunk_mb: float = DEFAULT_CHUNK_MB, share_prompts: bool = True, load_on: str | None = None,
-                 lora=None, seed: int = 0) -> None:
+                 lora=None, seed: int = 0, skip_zero_advantage: bool = False) -> None:
         self.device = device
+        # Sequences whose advantage is exactly 0 (a group whose rewards all tie) add nothing to a loss that is
+        # linear in the advantage: their forward runs without autograd (for logp_old and the metrics) and backward
+        # skips them. The caller says when the loss is such a loss (trainer/loss.py `zero_advantage_no_grad`).
+        self.skip_zero_advantage = skip_zero_advantage
         self.mesh = mesh
         self.max_tokens = max_tokens_per_device
         self.max_grad_norm = max_grad_norm
@@ -136,15 +140,32 @@ class Actor:
     # ------------------------------------------------------------------ micro-batching
     def _microbatches(self, batch: TrainBatch, index: list[int]) -> list[list[int]]:
         """Micro-batches of `index`; padded with empty ones so every DP rank runs the same count."""
+        return self._pad_to_ranks(self._plan(batch, index))[0]
+
+    def _plan(self, batch: TrainBatch, index: list[int]) -> list[list[int]]:
         lengths = [len(batch.ids[i]) for i in index]
         if self.share_prompts:  # a prompt's samples go together, so its forward is shared
             keys = [prompt_key(batch.ids[i], batch.prompt_lens[i]) for i in index]
             plan = split_shared_microbatches(keys, [batch.prompt_lens[i] for i in index], lengths, self.max_tokens)
         else:
             plan = split_microbatches(lengths, self.max_tokens)
-        mbs = [[index[j] for j in mb] for mb in plan] if index else []
-        count = all_reduce_max(torch.tensor([len(mbs)], device=self.device), self.dp_group)
-        return mbs + [[] for _ in range(int(count.item()) - len(mbs))]
+        return [[index[j] for j in mb] for mb in plan] if index else []
+
+    def _pad_to_ranks(self, *plans: list[list[int]]) -> list[list[list[int]]]:
+        """Each plan padded with empty micro-batches to its longest over the DP ranks (one all-reduce for all)."""
+        counts = all_reduce_max(torch.tensor([len(p) for p in plans], device=self.device), self.dp_group).tolist()
+        return [p + [[] for _ in range(int(c) - len(p))] for p, c in zip(plans, counts)]
+
+    def _zero_advantage_split(self, batch: TrainBatch, index: list[int]) -> tuple[list[int], list[int]]:
+        """(trained, no-grad) sequences of `index`. No-grad: those of a prompt whose every sequence here has a zero
+        advantage (a prompt's samples stay together, so shared prompts are still computed once)."""
+        if not self.skip_zero_advantage or not index:
+            return index, []
+        zero = (batch.advantages[index] == 0).tolist()
+        keys = [prompt_key(batch.ids[i], batch.prompt_lens[i]) for i in index] if self.share_prompts else index
+        signal = {k for k, z in zip(keys, zero) if not z}
+        trained = [i for i, k in zip(index, keys) if k in signal]
+        return trained, [i for i, k in zip(index, keys) if k not in signal]
 
     def _forward(self, batch: TrainBatch, mb: list[int], with_entropy: bool, hold_context=None):
         if not mb:  # keep the collectives in step with other ranks: a one-token dummy sequence
@@ -217,20 +238,37 @@ class Actor:
         norm = self._normalizer(batch, index)
         out: dict[str, float] = {}
         computed = 0
-        for mb in self._microbatches(batch, index):
+
+        def run_loss(logp, ent, mb) -> torch.Tensor:
+            nonlocal computed
+            idx = torch.tensor(mb, dtype=torch.long, device=self.device)
+            loss, metrics = loss_fn(logp, ent, batch, idx, norm)
+            self._bad_loss |= ~torch.isfinite(loss.detach())  # read at the optimizer step, no sync here
+            computed += 1
+            for key, v in metrics.items():
+                out[key] = out.get(key, 0.0) + float(v)
+            return loss
+
+        trained, no_grad = self._zero_advantage_split(batch, index)
+        grad_mbs, no_grad_mbs = self._pad_to_ranks(self._plan(batch, trained), self._plan(batch, no_grad))
+        if no_grad_mbs and not grad_mbs:
+            # Nothing to train on any rank: one empty backward still gives every parameter a (zero) gradient, so
+            # the optimizer steps exactly as it would have with the zero-advantage sequences' gradients.
+            grad_mbs = [[]]
+        # Before the backward passes: FSDP2's root forward under no_grad after them drops its own parameters' gradients.
+        with torch.no_grad():
+            for mb in no_grad_mbs:  # their loss is 0: only logp_old, the metrics and the non-finite guard need them
+                logp, ent = self._forward(batch, mb, with_entropy)
+                if mb:
+                    run_loss(logp, ent, mb)
+        for mb in grad_mbs:
             with contextlib.ExitStack() as stack:  # the context outlives backward (activation checkpointing)
                 logp, ent = self._forward(batch, mb, with_entropy, hold_context=stack)
-                if mb:
-                    idx = torch.tensor(mb, dtype=torch.long, device=self.device)
-                    loss, metrics = loss_fn(logp, ent, batch, idx, norm)
-                    self._bad_loss |= ~torch.isfinite(loss.detach())  # read at the optimizer step, no sync here
-                    computed += 1
-                    for key, v in metrics.items():
-                        out[key] = out.get(key, 0.0) + float(v)
-                else:
-                    loss = logp.sum() * 0.0
+                loss = run_loss(logp, ent, mb) if mb else logp.sum() * 0.0
                 # FSDP2 averages gradients over DP (x CP) ranks; the loss is already globally normalized.
                 (loss * self.grad_scale).backward()
+        if self.skip_zero_advantage:  # summed over ranks: the global share
+            out["actor/no_grad_seq_frac"] = len(no_grad) / norm.seqs if norm.seqs else 0.0
         finalize = getattr(loss_fn, "finalize", None)
         if finalize is not None:  # normalizers known only now (trainer/old_logprobs.py FusedOldLogprobLoss)
             grad_scale, metric_scales = finalize(batch, index, norm)
@@ -345,4 +383,4 @@ class FullState:
 
 
 # Metrics from policy_objective that are a micro-batch's share of a global quantity (summed, not averaged).
-_SUMMED = {"actor/loss", "actor/pg_loss", "actor/kl", "actor/entropy"}
+_SUMMED = {"actor/loss", "actor/pg_loss", "actor/kl", "actor/entropy", "actor/no_grad_seq_frac"}

@@ -25,13 +25,18 @@ LOG_RATIO_CLAMP = 20.0
 
 PolicyLoss = Callable[..., tuple[Tensor, dict[str, float]]]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
+# Losses whose every token is 0, with a zero gradient, where the advantage is 0 (the loss is the advantage times a
+# finite factor): the actor may skip backward over such sequences (`actor.skip_zero_advantage`).
+VANISH_AT_ZERO_ADVANTAGE: set[str] = set()
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+def register_policy_loss(name: str, *, vanishes_at_zero_advantage: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
     def deco(fn: PolicyLoss) -> PolicyLoss:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
         POLICY_LOSSES[name] = fn
+        if vanishes_at_zero_advantage:
+            VANISH_AT_ZERO_ADVANTAGE.add(name)
         return fn
 
     return deco
@@ -51,7 +56,7 @@ def _ratio_metrics(log_ratio: Tensor, ratio: Tensor, mask: Tensor) -> dict[str, 
     }
 
 
-@register_policy_loss("ppo")
+@register_policy_loss("ppo", vanishes_at_zero_advantage=True)
 def ppo_clip(
     logp: Tensor,
     logp_old: Tensor,
@@ -93,7 +98,7 @@ def ppo_clip(
     return loss, metrics_to_floats(metrics)
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", vanishes_at_zero_advantage=True)
 def cispo(
     logp: Tensor,
     logp_old: Tensor,

@@ -61,7 +61,7 @@ def train(cfg: Config) -> None:
     from sparserl.trainer.advantages import set_advantages
     from sparserl.trainer.balance import balance_ranks
     from sparserl.trainer.dynamic_sampling import DynamicSampling, Round, round_seed
-    from sparserl.trainer.loss import loss_config
+    from sparserl.trainer.loss import loss_config, zero_advantage_no_grad
     from sparserl.trainer.old_logprobs import OldLogprobs
     from sparserl.trainer.rescue import Redraw, Rescue, rescue_seed
     from sparserl.trainer.train_batch import to_train_batch
@@ -113,6 +113,8 @@ def train(cfg: Config) -> None:
     loss_cfg = loss_config(cfg.algo)
     old_logprobs = OldLogprobs.choose(cfg, actor, loss_cfg)  # a separate pass, or the update's own forward
     log0(f"old log-probs: {old_logprobs.description}")
+    skip, why_not = zero_advantage_no_grad(cfg)
+    log0("zero-advantage sequences: " + ("forward without autograd, no backward" if skip else f"trained as the rest ({why_not})"))
     timers = Timers(memory=PhasePeaks(info.device))
     dynamic = DynamicSampling(cfg.algo, params.n, cfg.rollout.max_new_tokens, cfg.trainer.prompts_per_step, sampler,
                               actor.dp_group, mesh["dp"].get_local_rank(), dims.dp, info.device)

@@ -4,6 +4,7 @@
 - `loss_config`: `algo.*` -> `LossConfig` (policy loss, clipping, aggregation, KL, entropy).
 - `apply_correction`: the correction (`algo.correction`, a `CorrectionConfig`) run on a batch whose logp_old is
   known (it sets the batch's weights and mask under `mode=apply`).
+- `zero_advantage_no_grad`: whether the actor may skip backward over zero-advantage sequences.
 - `make_loss_fn`: the loss closure over a batch whose logp_old, weights and masks are already set; it only
   slices them to the micro-batch. The single-update path has its own (trainer/old_logprobs.py).
 
@@ -18,13 +19,36 @@ import torch
 from sparserl.actor.actor import LossFn, TrainBatch
 from sparserl.algo.correction import correct, dist_reduce_sum
 from sparserl.algo.loss import LossConfig, policy_objective
-from sparserl.config import AlgoConfig
+from sparserl.algo.policy_loss import VANISH_AT_ZERO_ADVANTAGE
+from sparserl.config import AlgoConfig, Config
 
 
 def loss_config(algo: AlgoConfig) -> LossConfig:
     return LossConfig(policy_loss=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
                       loss_agg=algo.loss_agg, kl_coef=algo.kl.coef, kl_estimator=algo.kl.estimator, kl_mode=algo.kl.mode,
                       entropy_coef=algo.entropy_coef)
+
+
+def zero_advantage_no_grad(cfg: Config) -> tuple[bool, str]:
+    """Whether a sequence with a zero advantage adds exactly nothing to the update's gradient, so the actor may run
+    its forward without autograd (logp_old and the metrics still see it) and skip it in backward; if not, why.
+
+    The policy term is the advantage times a finite factor (the log-ratio is clamped) for the registered losses
+    in `VANISH_AT_ZERO_ADVANTAGE`, whatever the correction's weights and masks; a KL term in the loss, an entropy
+    bonus and adapter dropout (which draws random numbers per forward) are what else a sequence can bring.
+    """
+    a, algo = cfg.actor, cfg.algo
+    if not a.skip_zero_advantage:
+        return False, "actor.skip_zero_advantage=false"
+    if algo.policy_loss not in VANISH_AT_ZERO_ADVANTAGE:
+        return False, f"algo.policy_loss={algo.policy_loss} is not registered as 0 at a zero advantage"
+    if algo.kl.coef != 0 and algo.kl.mode == "loss":
+        return False, "the KL term in the loss (algo.kl.mode=loss) has a gradient at a zero advantage"
+    if algo.entropy_coef != 0:
+        return False, "the entropy bonus (algo.entropy_coef) has a gradient at a zero advantage"
+    if a.lora.rank > 0 and a.lora.dropout > 0:
+        return False, "adapter dropout (actor.lora.dropout) draws random numbers in every forward"
+    return True, ""
 
 
 def apply_correction(algo: AlgoConfig, batch: TrainBatch, dp_group) -> tuple[torch.Tensor, dict]:

@@ -23,6 +23,7 @@ from sparserl.data.dataset import PromptRow, format_prompt
 from sparserl.data.prompt_sampler import MixtureSampler, PromptSampler
 from sparserl.parallel import DistInfo, ParallelDims, init_distributed
 from sparserl.launch.precision import resolve_precision
+from sparserl.trainer.loss import zero_advantage_no_grad
 from sparserl.trainer.preflight import Inputs, validate_inputs
 from sparserl.utils.errors import UserError, one_line
 from sparserl.utils.logging import MetricsLogger, log0
@@ -134,7 +135,8 @@ def build_actor(cfg: Config, model_path: str, mesh, device, trainable: bool = Tr
                  max_grad_norm=a.max_grad_norm, max_tokens_per_device=a.max_tokens_per_device,
                  activation_checkpointing=cfg.model.activation_checkpointing, trainable=trainable,
                  entropy_grad=cfg.algo.entropy_coef != 0, logprob_chunk_mb=a.logprob_chunk_mb, share_prompts=a.share_prompts,
-                 sampling=(r.temperature, r.top_p, r.top_k), lora=a.lora if trainable else None, seed=cfg.trainer.seed)
+                 sampling=(r.temperature, r.top_p, r.top_k), lora=a.lora if trainable else None, seed=cfg.trainer.seed,
+                 skip_zero_advantage=trainable and zero_advantage_no_grad(cfg)[0])
 
 
 def build_reference(cfg: Config, actor: Actor, model_path: str, mesh, device):
