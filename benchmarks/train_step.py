@@ -14,6 +14,9 @@ each phase (what holds the peak), then the mean of each timing over the steps af
 per rollout, Dr.GRPO advantages, lr 1e-6, no KL, fp32 everywhere. With `--trl` the same workload also runs in
 Hugging Face TRL's GRPOTrainer (benchmarks/trl_workload.py; TRL must be installed separately) and a table puts
 the two side by side.
+The means table includes `reward/mean`, `adv/zero_std_group_frac` and `actor/no_grad_seq_frac`: the share of
+sequences whose group's rewards tie, which the actor runs without backward (`actor.skip_zero_advantage`; add
+`actor.skip_zero_advantage=false` to time the update over every sequence, as TRL computes it).
 
 Part 2 samples one rollout with the native engine (GSM8K questions, `--pack-n` samples each, up to
 `--pack-new-tokens` tokens, stopping at EOS, so lengths are long-tailed as in RL) and times forward+backward of
@@ -52,7 +55,8 @@ from sparserl.utils import precision  # noqa: E402
 
 KEYS = ["perf/step_s", "perf/rollout_s", "perf/old_logprobs_s", "perf/ref_logprobs_s", "perf/update_s", "perf/weight_sync_s",
         "perf/rollout_tok_s", "perf/train_tok_s", "perf/dp_load_imbalance_before", "perf/dp_load_imbalance",
-        "response/len_mean", "mem/peak_gb", "mem/peak_gb_max_rank"]
+        "response/len_mean", "reward/mean", "adv/zero_std_group_frac", "actor/no_grad_seq_frac", "mem/peak_gb",
+        "mem/peak_gb_max_rank"]
 PHASES = ["rollout", "old_logprobs", "ref_logprobs", "update", "weight_sync"]
 
 MAWPS_SYSTEM = "Solve the problem and put your final answer within \\boxed{}."
