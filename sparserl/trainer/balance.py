@@ -7,6 +7,11 @@ follows the heaviest one. Each rank describes its sequences as `SeqRecord`s (eve
 one sequence), every rank gathers every record, and each computes the same split (data/packing.py
 `balanced_partition`, deterministic) and keeps its own part.
 
+With `token_weights=(trained, no_grad)` a token of a sequence the actor trains costs `trained` and one of a
+zero-advantage group it only runs forward (`actor.skip_zero_advantage`) costs `no_grad`: the trainer passes (4, 1)
+with activation checkpointing (forward, recomputed forward and a backward of two forwards' work) and (3, 1)
+without, so the ranks' update times, not their token counts, come out equal.
+
 Left out on purpose: moving sequences across optimizer steps (each step keeps the sequence set it would have
 without balancing, so the update is unchanged) and balancing by attention cost rather than token count.
 """
@@ -41,8 +46,8 @@ class SeqRecord:
         return len(self.ids) - self.prompt_len
 
 
-def balance_ranks(batch: TrainBatch, num_minibatches: int, dp_group,
-                  share_prompts: bool = False) -> tuple[TrainBatch, list[list[int]], dict]:
+def balance_ranks(batch: TrainBatch, num_minibatches: int, dp_group, share_prompts: bool = False,
+                  token_weights: tuple[int, int] = (1, 1)) -> tuple[TrainBatch, list[list[int]], dict]:
     """Moves sequences between DP ranks so that every rank trains on a near-equal number of tokens.
 
     Each global minibatch (the union of every rank's k-th contiguous slice, which is what `Actor.update` would
@@ -64,18 +69,18 @@ def balance_ranks(batch: TrainBatch, num_minibatches: int, dp_group,
     fields = [f for f in PER_TOKEN if getattr(batch, f) is not None]
     everyone: list[list[SeqRecord]] = [None] * world
     dist.all_gather_object(everyone, _records(batch, home, fields, rank), group=dp_group)
-    before = [_load(part, share_prompts) for part in everyone]
+    before = [_load(part, share_prompts, token_weights) for part in everyone]
     rows: list[SeqRecord] = []
     minibatches, after = [], [0] * world
     for k in range(num_minibatches):
         pool = [seq for part in everyone for seq in part if seq.minibatch == k]  # same order on every rank
-        units = _units(pool, world, share_prompts)
+        units = _units(pool, world, share_prompts, token_weights)
         costs = [cost for _, cost in units]
         unit_parts = balanced_partition(costs, world)  # deterministic: every rank computes the same split
         parts = [sorted(j for u in share for j in units[u][0]) for share in unit_parts]
         loads = [sum(costs[u] for u in share) for share in unit_parts]
         if share_prompts:  # where the split is no better than what the ranks rolled out (whole groups each), keep that
-            parts, loads = _keep_home_if_no_worse(everyone, pool, k, parts, loads)
+            parts, loads = _keep_home_if_no_worse(everyone, pool, k, parts, loads, token_weights)
         for r in range(world):
             after[r] += loads[r]
         minibatches.append(list(range(len(rows), len(rows) + len(parts[rank]))))
@@ -113,29 +118,34 @@ def _to_batch(rows: list[SeqRecord], dtypes: dict[str, torch.dtype], device) -> 
                       origin=[seq.origin for seq in rows], **per_token)
 
 
-def _units(pool: list[SeqRecord], world: int, share_prompts: bool) -> list[tuple[list[int], int]]:
-    """(indices into `pool`, token cost) of what `balance_ranks` moves: single sequences, or prompt groups."""
+def _units(pool: list[SeqRecord], world: int, share_prompts: bool,
+           token_weights: tuple[int, int] = (1, 1)) -> list[tuple[list[int], int]]:
+    """(indices into `pool`, cost) of what `balance_ranks` moves: single sequences, or prompt groups; the cost is
+    their tokens times `token_weights[0]`, or `token_weights[1]` for a unit whose advantages are all 0."""
     lengths = [len(seq.ids) for seq in pool]
     if not share_prompts:
-        return [([j], n) for j, n in enumerate(lengths)]
-    prompt_lens = [seq.prompt_len for seq in pool]
-    keys = [prompt_key(seq.ids, seq.prompt_len) for seq in pool]
-    total = sum(lengths) - sum(prompt_lens) + sum({key: p for key, p in zip(keys, prompt_lens)}.values())  # prompts once
-    return prompt_units(keys, prompt_lens, lengths, max(1, total // (2 * world)))
+        units = [([j], n) for j, n in enumerate(lengths)]
+    else:
+        prompt_lens = [seq.prompt_len for seq in pool]
+        keys = [prompt_key(seq.ids, seq.prompt_len) for seq in pool]
+        total = sum(lengths) - sum(prompt_lens) + sum({key: p for key, p in zip(keys, prompt_lens)}.values())  # prompts once
+        units = prompt_units(keys, prompt_lens, lengths, max(1, total // (2 * world)))
+    trained, no_grad = token_weights
+    return [(idx, cost * (trained if any(pool[j].advantage != 0 for j in idx) else no_grad)) for idx, cost in units]
 
 
-def _load(records: list[SeqRecord], share_prompts: bool) -> int:
-    """The tokens one rank computes for `records` (prompts once per group with `share_prompts`)."""
-    return sum(cost for _, cost in _units(records, 1, share_prompts))
+def _load(records: list[SeqRecord], share_prompts: bool, token_weights: tuple[int, int] = (1, 1)) -> int:
+    """The cost of `records` on one rank: tokens (prompts once per group with `share_prompts`) times their weight."""
+    return sum(cost for _, cost in _units(records, 1, share_prompts, token_weights))
 
 
 def _keep_home_if_no_worse(everyone: list[list[SeqRecord]], pool: list[SeqRecord], k: int, parts: list[list[int]],
-                           loads: list[int]) -> tuple[list[list[int]], list[int]]:
+                           loads: list[int], token_weights: tuple[int, int]) -> tuple[list[list[int]], list[int]]:
     """`parts` / `loads`, or each rank's own minibatch-k sequences where that split is no more uneven."""
     home_parts, start = [], 0
     for part in everyone:
         size = sum(seq.minibatch == k for seq in part)
         home_parts.append(list(range(start, start + size)))
         start += size
-    home_loads = [_load([pool[j] for j in hp], True) for hp in home_parts]
+    home_loads = [_load([pool[j] for j in hp], True, token_weights) for hp in home_parts]
     return (home_parts, home_loads) if max(home_loads) <= max(loads) else (parts, loads)

@@ -114,6 +114,8 @@ def train(cfg: Config) -> None:
     old_logprobs = OldLogprobs.choose(cfg, actor, loss_cfg)  # a separate pass, or the update's own forward
     log0(f"old log-probs: {old_logprobs.description}")
     skip, why_not = zero_advantage_no_grad(cfg)
+    # balance_ranks' cost of a trained token vs a no-grad one: forward + backward (2) [+ recomputed forward] vs forward
+    token_weights = (4 if cfg.model.activation_checkpointing else 3, 1) if skip else (1, 1)
     log0("zero-advantage sequences: " + ("forward without autograd, no backward" if skip else f"trained as the rest ({why_not})"))
     timers = Timers(memory=PhasePeaks(info.device))
     dynamic = DynamicSampling(cfg.algo, params.n, cfg.rollout.max_new_tokens, cfg.trainer.prompts_per_step, sampler,
@@ -231,7 +233,7 @@ def train(cfg: Config) -> None:
             minibatches, balance_metrics = None, {}
             if cfg.actor.balance_ranks:
                 batch, minibatches, balance_metrics = balance_ranks(batch, cfg.actor.updates_per_rollout, actor.dp_group,
-                                                                    cfg.actor.share_prompts)
+                                                                    cfg.actor.share_prompts, token_weights)
             actor_metrics = actor.update(batch, old_logprobs.loss_fn(), cfg.actor.updates_per_rollout,
                                          cfg.actor.ppo_epochs, minibatches=minibatches)
         correction_metrics = old_logprobs.correction_metrics()

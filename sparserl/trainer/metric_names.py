@@ -223,7 +223,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("perf/rollout_tok_s", "Tokens generated per second: new tokens of all ranks / the slowest rank's rollout seconds"),
     Metric("perf/train_tok_s", "Tokens trained on per second: the batch's tokens on all ranks / the slowest rank's "
            "update seconds", SFT),
-    Metric("perf/dp_load_imbalance_before", "Most tokens on one data-parallel rank / the mean, before balancing",
+    Metric("perf/dp_load_imbalance_before", ("Most update work on one data-parallel rank / the mean, before balancing (tokens; a "
+                                            "trained token counts 3-4 times a zero-advantage one where the actor skips "
+                                            "their backward)"),
            "`actor.balance_ranks=true`, 2+ data-parallel ranks"),
     Metric("perf/dp_load_imbalance", "The same after `actor.balance_ranks` moved sequences between ranks",
            "`actor.balance_ranks=true`, 2+ data-parallel ranks"),

@@ -60,3 +60,16 @@ def test_an_all_zero_step_moves_the_weights_as_without_the_skip(runs, nproc):
     # the all-zero step moved the weights (AdamW's first moment) on both sides
     for side in (off, on):
         assert max(float((side["params"][1][n] - p).abs().max()) for n, p in side["params"][0].items()) > 1e-3
+
+
+def test_ranks_are_balanced_by_update_work(runs):
+    """balance_ranks with token_weights=(4, 1): a trained token costs four zero-advantage ones (activation
+    checkpointing), so the ranks' update work comes out near equal, not their token counts; same gradients."""
+    res = runs[2]
+    ref = whole(res[("rank0_zero", "fused", False)]["grads"])
+    for weights in ((1, 1), (4, 1)):
+        assert rel(whole(res[("balanced", weights)]["grads"]), ref) < 1e-6, weights
+    by_tokens, by_work = res[("balanced", (1, 1))]["balance"], res[("balanced", (4, 1))]["balance"]
+    # rank 0 holds all the no-grad work, rank 1 all the trained work: far apart by work, closer by tokens
+    assert by_work["perf/dp_load_imbalance_before"] > 1.4 > by_tokens["perf/dp_load_imbalance_before"]
+    assert by_work["perf/dp_load_imbalance"] < 1.2 < by_work["perf/dp_load_imbalance_before"]

@@ -18,6 +18,7 @@ from sparserl.algo import CorrectionConfig
 from sparserl.algo.loss import LossConfig
 from sparserl.config import AlgoConfig
 from sparserl.parallel import ParallelDims, init_distributed, teardown
+from sparserl.trainer.balance import balance_ranks
 from sparserl.trainer.loss import make_loss_fn
 from sparserl.trainer.old_logprobs import FusedOldLogprobLoss
 from tests.dist.update_worker import fixed_batch
@@ -80,6 +81,17 @@ def main() -> None:
                 logp_old = batch.logp_old.clone()  # this rank's share
                 results[(case, path, skip)] = {"sums": sums.tolist(), "grads": grads,
                                                "metrics": getattr(loss_fn, "metrics", {}), "logp_old": logp_old}
+    # Balanced by cost (2 processes): rank 0 starts with the 4 zero-advantage sequences, rank 1 with 4 to train.
+    if info.world_size == 2:
+        actor = actors[True]
+        for weights in ((1, 1), (4, 1)):
+            batch = batch_for("rank0_zero", info.rank, info.world_size, logp_sparse)
+            batch, minibatches, balance = balance_ranks(batch, 1, actor.dp_group, True, weights)
+            loss_fn = FusedOldLogprobLoss(algo, loss_cfg, actor.dp_group)
+            actor.accumulate_gradients(batch, loss_fn, minibatches[0], with_entropy=True)
+            grads = {n: full(p.grad).clone() for n, p in actor.model.named_parameters()}
+            actor.optimizer.zero_grad(set_to_none=True)
+            results[("balanced", weights)] = {"grads": grads, "balance": balance}
     # Two optimizer steps through update(): a mixed batch, then one whose advantages are all 0. AdamW still moves
     # the weights on the second (its first moment), so a skipped backward must leave zero gradients, not none.
     for skip, actor in actors.items():
