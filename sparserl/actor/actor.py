@@ -227,6 +227,8 @@ class Actor:
         steps = num_minibatches * epochs
         metrics = {k: (v / steps if k in _SUMMED else v / counts[k]) for k, v in sums.items()}
         metrics = self._mean_over_ranks(metrics, counts)
+        if not self.skip_zero_advantage:
+            metrics.pop("actor/no_grad_seq_frac")
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         metrics["actor/skipped_steps"] = float(skipped)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]

@@ -147,8 +147,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("actor/grad_norm", "Gradient norm before clipping to `actor.max_grad_norm`, mean over the applied optimizer steps",
            SFT),
     Metric("actor/no_grad_seq_frac", "Share of the update's sequences whose group's rewards all tie (advantage 0) and "
-           "whose forward ran without autograd, skipped in backward (`actor.skip_zero_advantage`; 0 where it does not "
-           "apply)"),
+           "whose forward ran without autograd, skipped in backward",
+           "`actor.skip_zero_advantage=true` where it applies (no KL term in the loss, no entropy bonus)"),
     Metric("actor/skipped_steps", "Optimizer steps skipped for a non-finite loss or gradient norm"),
     Metric("actor/lr", "Learning rate after the step's optimizer steps", SFT),
     Metric("actor/target_prob", "Mean probability of the target tokens before the step (a smooth token accuracy)", "SFT only"),

@@ -47,7 +47,7 @@ def test_skipping_zero_advantage_sequences_gives_the_same_update(runs, nproc):
 def test_an_all_zero_step_moves_the_weights_as_without_the_skip(runs, nproc):
     off, on = runs[nproc][("steps", False)], runs[nproc][("steps", True)]
     assert [m["actor/no_grad_seq_frac"] for m in on["metrics"]] == pytest.approx([2 / 8, 1.0])
-    assert [m["actor/no_grad_seq_frac"] for m in off["metrics"]] == [0.0, 0.0]
+    assert all("actor/no_grad_seq_frac" not in m for m in off["metrics"])
     for key in ("actor/loss", "actor/entropy", "actor/grad_norm"):
         for a, b in zip(on["metrics"], off["metrics"]):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-8), key
