@@ -7,6 +7,7 @@ canned outputs; the native engine runs the same multi-turn check where it is ava
 from __future__ import annotations
 
 import textwrap
+import zlib
 
 import pytest
 import torch
@@ -78,7 +79,9 @@ class ForwardEngine:
         for req in requests:
             p = req.params
             for j in range(p.n):
-                gen = torch.Generator().manual_seed(hash((p.seed, str(req.request_id), j, len(req.prompt_token_ids))) % 2**31)
+                # zlib, not hash(): str hashes change with every process (PYTHONHASHSEED), and so would the draws
+                key = f"{p.seed}/{req.request_id}/{j}/{len(req.prompt_token_ids)}".encode()
+                gen = torch.Generator().manual_seed(zlib.crc32(key))
                 ids, logps, reason = list(req.prompt_token_ids), [], "length"
                 for _ in range(p.max_new_tokens):
                     logits = self.model(torch.tensor([ids]), logits_to_keep=1).logits[0, -1].float()
