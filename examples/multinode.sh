@@ -14,7 +14,7 @@
 # NCCL_SOCKET_IFNAME (and GLOO_SOCKET_IFNAME) to the one the nodes share.
 #
 # The same launch works on one machine with two "nodes" (MASTER_ADDR=127.0.0.1, GPUS=1, parallel.device=cpu):
-# tests/dist/test_multinode.py does exactly that.
+# tests/distributed/test_multinode.py does exactly that.
 set -euo pipefail
 : "${NODE_RANK:?set NODE_RANK (0 on the master node, 1..NNODES-1 elsewhere)}"
 : "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"

@@ -1,7 +1,7 @@
 """Dynamic sampling (`algo.dynamic_sampling.*`) in real 2-process torchrun runs of a tiny model: steps that need
 more than one round, the correction applied to every round (its dense pass and the engine woken again), and a run
 stopped after step 2 and resumed that logs the same steps and ends with the same weights as the uninterrupted one.
-Every rank training on the same number of groups is checked apart (tests/dist/test_dynamic_sampling_dist.py)."""
+Every rank training on the same number of groups is checked apart (tests/distributed/test_dynamic_sampling_dist.py)."""
 from __future__ import annotations
 
 import pytest

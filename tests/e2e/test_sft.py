@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from tests.launch import command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,9 +72,8 @@ def test_sft_with_context_parallelism_equals_one_process(tiny_checkpoint, tmp_pa
         args = tiny_args(tiny_checkpoint, out, **{"parallel.cp": nproc, "trainer.total_steps": 3, "actor.lr": 1e-4,
                                                    "model.activation_checkpointing": False,
                                                    "trainer.prompts_per_step": 16, "actor.max_tokens_per_device": 64})
-        launch = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0"}
-        res = subprocess.run([sys.executable, *launch, "-m", "sparserl.trainer.sft", *args], env=env,
+        res = subprocess.run(command(nproc, "-m", "sparserl.trainer.sft", *args), env=env,
                              capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert res.returncode == 0, res.stderr[-3000:]
         runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

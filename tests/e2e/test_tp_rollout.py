@@ -13,12 +13,12 @@ holds for `python -m sparserl.eval` with tp=2.
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.test_trainer import ROOT, read_metrics, trainer, write_data
+from tests.launch import command
 
 RANK_ENV = '''
 import json
@@ -148,11 +148,9 @@ def test_standalone_eval_tp_peers_take_the_owners_result(tiny_checkpoint, tmp_pa
         args = [f"model.path={tiny_checkpoint}", f"eval.datasets=[{{name:probe,path:{probe},env:{env}}}]", "eval.n=2",
                 "eval.k=[1,2]", "eval.temperature=1.0", "eval.max_new_tokens=6", "rollout.dtype=float32",
                 f"parallel.tp={nproc}", f"eval.output_dir={tmp_path / name}"]
-        launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                      f"--nproc_per_node={nproc}"]
         env_vars = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0",
                     "TP_ENV_LOG": str(calls)}
-        res = subprocess.run([*launch, "-m", "sparserl.eval", *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
+        res = subprocess.run(command(nproc, "-m", "sparserl.eval", *args), capture_output=True, text=True, timeout=300, cwd=ROOT,
                              env=env_vars)
         assert res.returncode == 0, res.stderr[-3000:]
         results[name] = (env_calls(calls), json.loads((tmp_path / name / "eval.json").read_text())["datasets"])

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.launch import command
+
 ROOT = Path(__file__).resolve().parents[2]
 
 FAILING_ENV = '''
@@ -30,14 +32,15 @@ def write_data(path: Path, rows) -> Path:
 
 
 def trainer(args, nproc=1, cwd=None, timeout=600, extra_env=None, torchrun=False):
-    """Run the GRPO trainer: a plain process for nproc=1 unless `torchrun`, else torchrun with nproc processes."""
+    """Run the GRPO trainer: a plain process for nproc=1, nproc ranks of tests/launch.py above that, or torchrun
+    itself with `torchrun`."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0", **(extra_env or {})}
-    if nproc == 1 and not torchrun:
-        cmd = [sys.executable, "-m", "sparserl.trainer.grpo", *args]
-    else:
+    if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "sparserl.trainer.grpo", *args]
+    else:
+        cmd = command(nproc, "-m", "sparserl.trainer.grpo", *args)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT)
 
 

@@ -1,6 +1,6 @@
 """Context parallelism's wiring, single process: the (dp, cp, tp) layout checks, the models cp refuses, where the
 kept rows of a packed row live under the zigzag plan, and the world-size preflight. The multi-process equality with
-cp = 1 is tests/dist/test_cp_actor.py."""
+cp = 1 is tests/distributed/test_cp_actor.py."""
 import pytest
 import torch
 

@@ -1,7 +1,7 @@
 """LoRA actors (actor/lora.py) on plain tiny models, one process, no process group: injection and its errors, the
 merged walk against peft's own merge, adapters off, the tensor-parallel split of adapted modules, adapter folders
 (written here, read by peft and by `python -m sparserl.eval`'s model resolution), adapter-only checkpoints, and the
-trainer's input checks. The sharded actor (FSDP2, TP, native-engine parity, resume, export) is tests/dist/test_lora_dist.py.
+trainer's input checks. The sharded actor (FSDP2, TP, native-engine parity, resume, export) is tests/distributed/test_lora_dist.py.
 """
 import json
 

@@ -1,11 +1,10 @@
 """Logged samples (`trainer.log_samples`, sparserl/trainer/samples.py): the records' per-token fields are the
 tensors the loss received, on the separate-pass and the single-update path (the 2-process case, where
-`balance_ranks` moves logged rows to the other rank, is tests/dist/test_samples_dist.py); bounds and resume."""
+`balance_ranks` moves logged rows to the other rank, is tests/distributed/test_samples_dist.py); bounds and resume."""
 import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,17 +13,17 @@ import torch
 from sparserl.algo.correction_config import CorrectionConfig
 from sparserl.rollout.episode import Sample
 from sparserl.trainer.samples import MAX_RESPONSE_TOKENS, LoggedRow, SampleLog, build_record, pick_rows
+from tests.launch import command
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "dist" / "samples_worker.py"
+WORKER = ROOT / "tests" / "distributed" / "samples_worker.py"
 
 
 def run_step(ckpt, out: Path, path: str, nproc: int = 1) -> tuple[list[dict], dict]:
     """Records of rank 0 and, per (rank, row) of rank 0's rollout, what the loss received for that row."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0"}
     args = [str(WORKER), str(ckpt), str(out), path]
-    cmd = [sys.executable, *args] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    cmd = command(nproc, *args)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     records = [json.loads(line) for line in (out / "samples" / "step_1.jsonl").read_text().splitlines()]

@@ -1,7 +1,7 @@
 """`sync_weights` gathers in the engine's dtype and hands nothing to a rank whose engine does not receive.
 
 One process, the actor's `FullState` walk over a plain tiny model (the walk over real shards on 2 processes
-is tests/dist/test_load_rank0.py).
+is tests/distributed/test_load_rank0.py).
 """
 import torch
 

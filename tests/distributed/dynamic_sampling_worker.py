@@ -1,8 +1,8 @@
 """Dynamic sampling's rounds as `trainer/grpo.py` runs them, without the update: real rollouts of the tiny model
 through an env module, the real prompt sampler, the counts and the moving groups over real collectives.
-Used by tests/dist/test_dynamic_sampling_dist.py.
+Used by tests/distributed/test_dynamic_sampling_dist.py.
 
-    [torchrun --nproc_per_node=N] tests/dist/dynamic_sampling_worker.py CKPT DATA ENV OUT STEPS
+    [torchrun --nproc_per_node=N] tests/distributed/dynamic_sampling_worker.py CKPT DATA ENV OUT STEPS
 
 Each rank saves, per step, the (round, place) keys of the groups it would train on, their samples' rewards, the
 rounds' prompt counts and the step's dynamic/* metrics to OUT/rank_<rank>.pt.

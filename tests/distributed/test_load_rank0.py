@@ -10,11 +10,11 @@ hands tensors only to engines that receive them.
 """
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tests.launch import command
 
 WORKER = Path(__file__).with_name("load_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,8 +25,7 @@ def launch(root: Path, out: Path, nproc: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("SPARSERL_LOAD_ON", None)
     args = [str(WORKER), str(root), str(out), *SPECS]
-    cmd = [sys.executable, *args] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]
+    cmd = command(nproc, *args)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
     return torch.load(out, weights_only=False)

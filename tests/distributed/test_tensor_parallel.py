@@ -7,11 +7,11 @@ and (2, 2), and the LM head must be vocabulary-parallel whenever tp > 1.
 """
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tests.launch import command
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,11 +21,7 @@ REL = 1e-5
 
 def launch(args, nproc, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    if nproc == 1:
-        cmd = [sys.executable, str(WORKER), *map(str, args)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", str(WORKER),
-               *map(str, args)]
+    cmd = command(nproc, WORKER, *args)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-4000:]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist.test_fused_old_logprobs import rel, run, whole
+from tests.distributed.test_fused_old_logprobs import rel, run, whole
 
 WORKER = Path(__file__).with_name("zero_adv_worker.py")
 

@@ -1,4 +1,4 @@
-"""Workers for the actor's context-parallel tests (run by tests/dist/test_cp_actor.py).
+"""Workers for the actor's context-parallel tests (run by tests/distributed/test_cp_actor.py).
 
     [torchrun --nproc_per_node=DP*CP*TP] cp_actor_worker.py OUT CKPT DP CP TP MAX_TOKENS [ac]
 One update's log-probs, entropies, losses, gradients and gradient norm on a fixed batch (uneven lengths, groups

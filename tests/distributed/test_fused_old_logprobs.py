@@ -3,11 +3,11 @@ accumulated gradient) gives the same loss, gradients and correction metrics as a
 with and without the correction, in 1 and 2 processes (fp32)."""
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tests.launch import command
 
 WORKER = Path(__file__).with_name("fused_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,8 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def run(ckpt, out, nproc, dtype="float32", worker=WORKER):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     args = [str(worker), str(ckpt), str(out), dtype]
-    cmd = [sys.executable, *args] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]
+    cmd = command(nproc, *args)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     return torch.load(out)

@@ -1,7 +1,7 @@
 """One update's loss and gradients with and without shared prompts (`actor.share_prompts`), sequences spread
 over the ranks by `balance_ranks`. Used by test_shared_prompts_dist.py.
 
-    torchrun --nproc_per_node=N tests/dist/shared_worker.py CKPT OUT [even|skewed]
+    torchrun --nproc_per_node=N tests/distributed/shared_worker.py CKPT OUT [even|skewed]
 The batch: 4 prompts x 3 samples (GRPO groups), rolled out 2 prompts per rank when N = 2 (skewed: 3 and 1); the sampler
 log-probs are the dense ones plus noise, so the sparsity correction masks tokens and reweights.
 """

@@ -1,6 +1,6 @@
 """Run one update's forward/backward on a fixed batch and save loss + full gradients (used by the tests).
 
-    torchrun --nproc_per_node=N tests/dist/update_worker.py CKPT OUT MAX_TOKENS [ac|balance]
+    torchrun --nproc_per_node=N tests/distributed/update_worker.py CKPT OUT MAX_TOKENS [ac|balance]
 Every rank takes its contiguous share of the same 8 sequences. With `balance` (2 ranks), rank 0 starts with
 6 of them and rank 1 with 2, and `balance_ranks` evens out the token loads before the update.
 """

@@ -3,10 +3,10 @@ a sample's seed depends on (eval.seed, set, prompt row, sample index), never on 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from tests.conftest import EVAL_DATA
+from tests.launch import command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,9 +26,7 @@ async def step(state, action, extra_info):
 
 def run_eval(nproc, args, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0"}
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  f"--nproc_per_node={nproc}"]
-    res = subprocess.run([*launch, "-m", "sparserl.eval", *args], env=env, capture_output=True, text=True, timeout=timeout,
+    res = subprocess.run(command(nproc, "-m", "sparserl.eval", *args), env=env, capture_output=True, text=True, timeout=timeout,
                          cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     return res

@@ -1,6 +1,6 @@
 """Ring attention over a real gloo cp group against single-process attention. Used by test_context_parallel.py.
 
-    torchrun --nproc_per_node=C tests/dist/context_parallel_worker.py OUT.json
+    torchrun --nproc_per_node=C tests/distributed/context_parallel_worker.py OUT.json
 
 Every rank builds the same random packed q/k/v (fp32) and upstream gradient, computes the single-process reference
 (SDPA per sequence, or `packed_attention` for shared-prompt spans), then its zigzag shard through `ring_attention`;

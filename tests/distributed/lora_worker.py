@@ -1,4 +1,4 @@
-"""Worker for tests/dist/test_lora_dist.py: a LoRA actor on every mesh of the world.
+"""Worker for tests/distributed/test_lora_dist.py: a LoRA actor on every mesh of the world.
 
     [torchrun --nproc_per_node=2] lora_worker.py CKPT OUT
 For each mesh ((1, 1) alone; (2, 1) and (1, 2) with 2 processes), an fp32 LoRA actor with activation checkpointing:
@@ -23,7 +23,7 @@ from sparserl.engines.types import GenerationRequest, SamplingParams
 from sparserl.engines.weight_sync import sync_weights
 from sparserl.parallel import ParallelDims, init_distributed, teardown
 from sparserl.trainer.loss import make_loss_fn
-from tests.dist.load_worker import fixed_batch
+from tests.distributed.load_worker import fixed_batch
 
 SPEC = LoRAConfig(rank=4, alpha=16.0, dropout=0.0, export_merged=True,
                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])

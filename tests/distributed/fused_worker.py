@@ -1,7 +1,7 @@
 """One update's loss, gradients and correction metrics, with logp_old from a separate pass or from the update's
 own forward (the single-update path). Used by test_fused_old_logprobs.py.
 
-    torchrun --nproc_per_node=N tests/dist/fused_worker.py CKPT OUT [float32|float64]
+    torchrun --nproc_per_node=N tests/distributed/fused_worker.py CKPT OUT [float32|float64]
 Every rank takes its contiguous share of the same 8 sequences. The sampler log-probs are the dense ones plus
 noise, with a few tokens pushed far off, so the correction masks tokens, vetoes a sequence and reweights the rest.
 """
@@ -17,7 +17,7 @@ from sparserl.config import AlgoConfig
 from sparserl.parallel import ParallelDims, init_distributed, teardown
 from sparserl.trainer.loss import apply_correction, make_loss_fn
 from sparserl.trainer.old_logprobs import FusedOldLogprobLoss
-from tests.dist.update_worker import fixed_batch
+from tests.distributed.update_worker import fixed_batch
 
 CASES = {
     "off": CorrectionConfig(enable=False),

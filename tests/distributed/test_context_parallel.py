@@ -4,7 +4,6 @@ attention in fp32 (GQA and MHA, uneven packed lengths including ones shorter tha
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from sparserl.actor.context_parallel import zigzag_plan
 import sparserl.actor.ring_attention as ring_attention_module
 from sparserl.actor.ring_attention import block_attention, block_attention_backward, ring_attention
 from sparserl.model.attention import Span
+from tests.launch import command
 
 WORKER = Path(__file__).with_name("context_parallel_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,8 +25,7 @@ LENGTHS = [13, 3, 29, 1, 8, 24, 0, 5]
 def test_ring_attention_matches_single_process(tmp_path, cp):
     out = tmp_path / "errors.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cp}", "--standalone", str(WORKER),
-           str(out)]
+    cmd = command(cp, WORKER, out)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-4000:]
     errors = json.loads(out.read_text())

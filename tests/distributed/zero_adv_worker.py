@@ -1,8 +1,8 @@
 """One update with and without `skip_zero_advantage` on the same weights: loss, gradients and metrics, then two
 optimizer steps (the second with every advantage 0). Used by test_zero_advantage.py.
 
-    torchrun --nproc_per_node=N tests/dist/zero_adv_worker.py CKPT OUT
-Every rank takes its contiguous share of the same 8 sequences (tests/dist/update_worker.py `fixed_batch`), with
+    torchrun --nproc_per_node=N tests/distributed/zero_adv_worker.py CKPT OUT
+Every rank takes its contiguous share of the same 8 sequences (tests/distributed/update_worker.py `fixed_batch`), with
 sequences 0 and 1 made to share a prompt. The cases set some advantages to exactly 0:
 - mixed: sequences 0, 3 and 5 (0 shares its prompt with 1, whose advantage is not 0: it is trained);
 - rank0_zero: sequences 0-3, all of rank 0's share with 2 processes (that rank has no backward of its own);
@@ -21,7 +21,7 @@ from sparserl.parallel import ParallelDims, init_distributed, teardown
 from sparserl.trainer.balance import balance_ranks
 from sparserl.trainer.loss import make_loss_fn
 from sparserl.trainer.old_logprobs import FusedOldLogprobLoss
-from tests.dist.update_worker import fixed_batch
+from tests.distributed.update_worker import fixed_batch
 
 ZERO = {"mixed": [0, 3, 5], "rank0_zero": [0, 1, 2, 3], "all_zero": list(range(8))}
 

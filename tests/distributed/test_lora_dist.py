@@ -12,11 +12,11 @@ weights.
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tests.launch import command
 
 WORKER = Path(__file__).with_name("lora_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,8 +25,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_
 
 def launch(args: list[str], nproc: int, module: bool = False, timeout: int = 300) -> subprocess.CompletedProcess:
     target = ["-m", *args] if module else args
-    cmd = [sys.executable, *target] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *target]
+    cmd = command(nproc, *target)
     res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-4000:]
     return res

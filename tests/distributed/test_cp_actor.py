@@ -10,11 +10,11 @@ several micro-batches, some of whose rows are shorter than 2 x cp.
 """
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tests.launch import command
 
 WORKER = Path(__file__).with_name("cp_actor_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,11 +24,7 @@ MAX_TOKENS = 40
 
 def launch(args, nproc, timeout=400):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    if nproc == 1:
-        cmd = [sys.executable, str(WORKER), *map(str, args)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", str(WORKER),
-               *map(str, args)]
+    cmd = command(nproc, WORKER, *args)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-4000:]
 

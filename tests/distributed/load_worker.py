@@ -1,4 +1,4 @@
-"""Workers for tests/dist/test_load_rank0.py: an actor read on rank 0 only against one read on every rank.
+"""Workers for tests/distributed/test_load_rank0.py: an actor read on rank 0 only against one read on every rank.
 
     [torchrun --nproc_per_node=2] load_worker.py CKPT_ROOT OUT FAMILY:DTYPE [FAMILY:DTYPE ...]
 For each checkpoint CKPT_ROOT/FAMILY, actor dtype DTYPE, and each mesh of the world ((1, 1) alone;

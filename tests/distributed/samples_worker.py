@@ -1,7 +1,7 @@
 """One training step as `trainer/grpo.py` runs it, with the logged samples next to the tensors its loss received.
 Used by tests/unit/test_samples_log.py.
 
-    [torchrun --nproc_per_node=N] tests/dist/samples_worker.py CKPT OUT fused|separate
+    [torchrun --nproc_per_node=N] tests/distributed/samples_worker.py CKPT OUT fused|separate
 
 A real rollout of the tiny model on the arithmetic env's prompts with R-KV compression (budget 16, prompt
 compressed too, so every sequence is compressed at its first decode step and every 8 tokens after), then three

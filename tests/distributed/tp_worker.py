@@ -1,4 +1,4 @@
-"""Workers for the tensor-parallel tests (run by tests/dist/test_tensor_parallel.py).
+"""Workers for the tensor-parallel tests (run by tests/distributed/test_tensor_parallel.py).
 
     [torchrun --nproc_per_node=DP*TP] tp_worker.py model OUT CKPT_ROOT DP TP FAMILY [FAMILY ...]
         log-probs, loss, gradients and gradient norm of one update on a fixed batch, for each checkpoint

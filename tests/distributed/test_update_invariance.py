@@ -2,11 +2,12 @@
 checkpointing or moving sequences between ranks to balance their token loads (fp32)."""
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.launch import command
 
 WORKER = Path(__file__).with_name("update_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -14,11 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run(ckpt, out, max_tokens, nproc, *extra):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    if nproc == 1:
-        cmd = [sys.executable, str(WORKER), str(ckpt), str(out), str(max_tokens), *extra]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-               str(WORKER), str(ckpt), str(out), str(max_tokens), *extra]
+    cmd = command(nproc, WORKER, ckpt, out, max_tokens, *extra)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
 

@@ -3,7 +3,6 @@ move to the rank short of its share, and the groups trained on, their samples an
 the 1-process run (round seeds and the group order do not depend on the number of processes)."""
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -11,9 +10,10 @@ import torch
 from sparserl.data.prompt_sampler import split
 from tests.e2e.test_dynamic_sampling import PARITY_ENV
 from tests.e2e.test_trainer import write_data
+from tests.launch import command
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "dist" / "dynamic_sampling_worker.py"
+WORKER = ROOT / "tests" / "distributed" / "dynamic_sampling_worker.py"
 STEPS = 4
 
 
@@ -21,8 +21,7 @@ def run(ckpt, data, env, out: Path, nproc: int) -> list[dict]:
     out.mkdir()
     penv = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0"}
     args = [str(WORKER), str(ckpt), str(data), str(env), str(out), str(STEPS)]
-    cmd = [sys.executable, *args] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    cmd = command(nproc, *args)
     res = subprocess.run(cmd, env=penv, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     return [torch.load(out / f"rank_{r}.pt") for r in range(nproc)]
