@@ -1,18 +1,24 @@
-"""A torchrun stand-in for the tests: one process per rank on this machine, forked from a parent that has imported
-torch and transformers once.
+"""How the tests start their trainer and worker processes: forked from a process that has imported torch and
+transformers once, instead of a fresh interpreter (and torchrun) per run.
 
     python tests/launch.py --nproc=N script.py [args ...]
     python tests/launch.py --nproc=N -m package.module [args ...]
 
-Tests build the command with `command(nproc, *target)`: with one process, the target runs alone, as `python ...`.
+Tests build the command with `command(nproc, *target)`. The first call in a test session starts a fork server
+(`--serve=SOCKET`, one per session, gone with it) that imports torch and transformers and waits. Each command is then
+a small client (`--via=SOCKET`, no torch) that hands the server its stdin/stdout/stderr, environment, working
+directory and target; the server forks a launcher for it, which forks one process per rank and returns the first
+failing rank's exit code to the client. So a test's `subprocess.run(command(...), capture_output=True, timeout=...)`
+behaves as with `python ...` or `torchrun ...`: the output is the ranks', the exit code theirs, and a client that is
+killed (a timeout) takes its ranks with it. With `SPARSERL_TEST_FORK_SERVER=0`, or where a server cannot start,
+`--nproc=N` forks the ranks itself after importing, and one process runs as plain `python ...`.
 
-Every rank gets the variables `torchrun --standalone` sets and that the code reads (RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT), then runs the script or module as `__main__`. The process
-group is real (gloo over TCP, rendezvous through MASTER_ADDR/MASTER_PORT), as under torchrun; what is saved is the
-import of torch and transformers in every rank (~8 s of CPU each on the 2-core CI machine) and torchrun's own start.
-The parent imports and nothing else: no torch op runs before the fork, so no thread pool is forked. A rank that
-fails makes the others stop (SIGTERM, then SIGKILL), and the exit code is the first failing rank's. The ranks die
-with the parent (PR_SET_PDEATHSIG), so a test's timeout that kills the parent leaves nothing behind.
+With N > 1 every rank gets the variables `torchrun --standalone` sets and that the code reads (RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT), then runs the script or module as `__main__`.
+The process group is real (gloo over TCP), as under torchrun; what is saved is the import of torch and transformers
+in every process (~8 s of CPU each on the 2-core CI machine) and torchrun's own start. Nothing computes before a
+fork, so no thread pool is forked. A rank that fails makes the others stop (SIGTERM, then SIGKILL). Every forked
+process dies with its parent (PR_SET_PDEATHSIG).
 
 Tests of the launch itself (elastic restarts, signals, several nodes) and the SGLang tests run the real torchrun.
 """
@@ -21,28 +27,61 @@ from __future__ import annotations
 import atexit
 import ctypes
 import importlib
+import json
 import os
 import runpy
+import select
 import signal
 import socket
+import struct
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
 PR_SET_PDEATHSIG = 1
-# What every rank of the tests imports and takes seconds to: the parent imports these before it forks.
+# What the tests' processes import and take seconds to: imported once, before any fork.
 PRELOAD = ("torch", "torch.distributed.tensor", "transformers", "transformers.modeling_utils",
            "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2", "omegaconf", "hydra")
-
-
 LAUNCH = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(LAUNCH))
+_server: tuple[subprocess.Popen, str] | None = None
 
 
 def command(nproc: int, *target: str) -> list[str]:
     """The command line that runs `target` (a script and its arguments, or "-m", a module and its arguments) on
     `nproc` ranks."""
     target = tuple(map(str, target))
+    path = _server_path()
+    if path is not None:
+        return [sys.executable, LAUNCH, f"--via={path}", f"--nproc={nproc}", *target]
     return [sys.executable, *target] if nproc == 1 else [sys.executable, LAUNCH, f"--nproc={nproc}", *target]
+
+
+def _server_path() -> str | None:
+    """The socket of this session's fork server, started on first use; None when switched off. The server imports
+    with the hub offline (huggingface_hub reads HF_HUB_OFFLINE at import): no test reaches a model hub."""
+    global _server
+    if os.environ.get("SPARSERL_TEST_FORK_SERVER", "1") == "0" or not hasattr(socket, "send_fds"):
+        return None
+    if _server is None or _server[0].poll() is not None:
+        folder = tempfile.mkdtemp(prefix="sparserl-fork-")
+        path = os.path.join(folder, "socket")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+        with open(os.path.join(folder, "server.log"), "w") as log:
+            proc = subprocess.Popen([sys.executable, LAUNCH, f"--serve={path}"], env=env, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=log, cwd=ROOT)
+        _server = (proc, path)
+        atexit.register(proc.kill)
+    return _server[1]
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before the prctl
+        os._exit(1)
 
 
 def _free_port() -> int:
@@ -60,16 +99,26 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def _run_rank(rank: int, nproc: int, port: int, target: list[str]) -> None:
     """In the child: become rank `rank` and run the target as `__main__`; never returns."""
     code = 0
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:  # the parent died before the prctl
-            os._exit(1)
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                          GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        _die_with_parent()
+        threads = os.environ.get("OMP_NUM_THREADS")
+        if threads and "torch" in sys.modules:  # OpenMP read the parent's environment when torch was imported
+            sys.modules["torch"].set_num_threads(int(threads))
+        if nproc > 1:
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                              LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_RANK=str(rank),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         if target[0] == "-m":
             sys.argv = [target[1], *target[2:]]
             sys.path[0] = os.getcwd()
@@ -86,8 +135,7 @@ def _run_rank(rank: int, nproc: int, port: int, target: list[str]) -> None:
     try:
         atexit._run_exitfuncs()
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush()
         os._exit(code)
 
 
@@ -112,34 +160,143 @@ def _stop(pids: dict[int, int], grace: float = 10.0) -> None:
             pass
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) < 2 or not argv[0].startswith("--nproc="):
-        print("usage: python tests/launch.py --nproc=N (script.py | -m module) [args ...]", file=sys.stderr)
-        return 2
-    nproc = int(argv[0].split("=", 1)[1])
-    target = argv[1:]
-    for module in PRELOAD:  # imported once here, inherited by every rank
-        importlib.import_module(module)
-
+def _run_ranks(nproc: int, target: list[str], watch: socket.socket | None = None) -> int:
+    """Fork the ranks and wait for them: the first failing rank's exit code, 0 when all succeed. With `watch`, a
+    client's connection: when it closes, the ranks are stopped."""
     port = _free_port()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush()
     pids: dict[int, int] = {}
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
+            if watch is not None:
+                watch.close()
             _run_rank(rank, nproc, port, target)
         pids[pid] = rank
-    signal.signal(signal.SIGTERM, lambda *_: (_stop(dict(pids)), os._exit(143)))
     first_failure = 0
     while pids:
-        pid, status = os.wait()
+        if watch is not None:
+            readable, _, _ = select.select([watch], [], [], 0.1)
+            if readable and not watch.recv(1):  # the client is gone
+                _stop(pids)
+                return 1
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                continue
+        else:
+            pid, status = os.wait()
         pids.pop(pid, None)
         code = os.waitstatus_to_exitcode(status)
         if code != 0 and not first_failure:
             first_failure = code if code > 0 else 128 - code
             _stop(pids)
     return first_failure
+
+
+def _preload() -> None:
+    for module in PRELOAD:
+        importlib.import_module(module)
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection")
+        data += chunk
+    return data
+
+
+def _serve(path: str) -> None:
+    """Import, then fork a launcher for every client that connects; never returns."""
+    _die_with_parent()
+    _preload()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path + ".tmp")
+    server.listen(64)
+    os.rename(path + ".tmp", path)  # clients connect once the socket is listening
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # launchers are reaped by the kernel
+    while True:
+        conn, _ = server.accept()
+        try:
+            header, fds, _, _ = socket.recv_fds(conn, 8, 3)
+            header += _recv_exactly(conn, 8 - len(header))
+            request = json.loads(_recv_exactly(conn, struct.unpack("!Q", header)[0]))
+        except (ConnectionError, OSError, ValueError):
+            conn.close()
+            continue
+        _flush()
+        if os.fork() == 0:
+            server.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _launch_for(conn, fds, request)
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def _launch_for(conn: socket.socket, fds: list[int], request: dict) -> None:
+    """In a launcher forked by the server: take the client's streams, environment and directory, run its ranks,
+    send back the exit code; never returns."""
+    code = 1
+    try:
+        _die_with_parent()
+        for fd, std in zip(fds, (0, 1, 2)):
+            os.dup2(fd, std)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        for entry in reversed([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]):
+            if entry not in sys.path:
+                sys.path.insert(1, entry)
+        code = _run_ranks(request["nproc"], request["target"], watch=conn)
+    except BaseException:  # noqa: BLE001 - reported to the client as a failed run
+        traceback.print_exc()
+    try:
+        _flush()
+        conn.sendall(struct.pack("!i", code))
+    finally:
+        os._exit(0)
+
+
+def _client(path: str, nproc: int, target: list[str]) -> int:
+    """Run `target` on `nproc` ranks through the fork server at `path`; its exit code."""
+    deadline = time.monotonic() + 300
+    while not os.path.exists(path):  # the server is still importing
+        if time.monotonic() > deadline:
+            print(f"launch: no fork server at {path} after 300 s", file=sys.stderr)
+            return 1
+        time.sleep(0.05)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    body = json.dumps({"nproc": nproc, "target": target, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    socket.send_fds(conn, [struct.pack("!Q", len(body))], [0, 1, 2])
+    conn.sendall(body)
+    try:
+        return struct.unpack("!i", _recv_exactly(conn, 4))[0]
+    except ConnectionError:
+        print("launch: the fork server's launcher died without an exit code", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0].startswith("--serve="):
+        _serve(argv[0].split("=", 1)[1])
+    via = None
+    if argv and argv[0].startswith("--via="):
+        via, argv = argv[0].split("=", 1)[1], argv[1:]
+    if len(argv) < 2 or not argv[0].startswith("--nproc="):
+        print("usage: python tests/launch.py [--via=SOCKET] --nproc=N (script.py | -m module) [args ...]",
+              file=sys.stderr)
+        return 2
+    nproc, target = int(argv[0].split("=", 1)[1]), argv[1:]
+    if via is not None:
+        return _client(via, nproc, target)
+    _preload()
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))  # the ranks follow (PR_SET_PDEATHSIG)
+    return _run_ranks(nproc, target)
 
 
 if __name__ == "__main__":

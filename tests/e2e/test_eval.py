@@ -3,17 +3,17 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tests.launch import command
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0"}
 
 
 def run_module(module, args, timeout=300):
-    cmd = [sys.executable, "-m", module, *[f"{k}={v}" for k, v in args.items()]]
+    cmd = command(1, "-m", module, *[f"{k}={v}" for k, v in args.items()])
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 

@@ -3,7 +3,6 @@ headless Chromium (skipped where none is installed) with no console message, the
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from benchmarks.report_browser import checks, find_chromium, view
 from sparserl.report.page import spread
 from tests.e2e.test_trainer import ROOT, read_metrics, tiny_args, trainer, write_data
+from tests.launch import command
 
 SPARSE = {"+preset": "sparse_rl", "rollout.kv.budget": 16, "rollout.kv.window": 4, "rollout.kv.divide_length": 8,
           "rollout.kv.kernel": 3, "rollout.kv.compress_prompt": "true", "rollout.max_new_tokens": 16,
@@ -30,7 +30,7 @@ def run(tiny_checkpoint, tmp_path_factory):
 
 
 def report(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sparserl.report", str(run_dir), *args], capture_output=True, text=True,
+    return subprocess.run(command(1, "-m", "sparserl.report", run_dir, *args), capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
 
 

@@ -9,7 +9,6 @@ rule has a case here. `--help` and `--cfg job` exit 0.
 import json
 import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import yaml
 
 from sparserl.config_load import RENAMED, leaf_keys
 from sparserl.config_checks import FREE, RANGES, RULES
+from tests.launch import command
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = 4  # subprocesses at once: most of their time is interpreter start-up and imports
@@ -303,7 +303,7 @@ def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0",
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     env.pop("RANK", None)
-    return subprocess.run([sys.executable, "-m", "sparserl.trainer.grpo", *args], env=env, cwd=cwd,
+    return subprocess.run(command(1, "-m", "sparserl.trainer.grpo", *args), env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=600)
 
 
