@@ -31,6 +31,7 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -74,7 +75,8 @@ def _server_path() -> str | None:
             proc = subprocess.Popen([sys.executable, LAUNCH, f"--serve={path}"], env=env, stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=log, cwd=ROOT)
         _server = (proc, path)
-        atexit.register(proc.kill)
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        atexit.register(proc.kill)  # runs first
     return _server[1]
 
 
