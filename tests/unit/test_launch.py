@@ -1,0 +1,106 @@
+"""tests/launch.py, what the other tests start their processes with: through the session's fork server and without it,
+a run gets its ranks' output, environment, working directory and exit code, a real gloo group over the torchrun
+variables, and a failing rank or a killed client stops every rank."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.launch import command
+
+WORKER = '''
+import os, sys, time
+import torch
+import torch.distributed as dist
+rank = os.environ.get("RANK")
+print(f"rank={rank} world={os.environ.get('WORLD_SIZE')} cwd={os.getcwd()} x={os.environ.get('LAUNCH_TEST_X')} "
+      f"threads={torch.get_num_threads()} pid={os.getpid()}", flush=True)
+if rank is not None:
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    print(f"sum={t.item():g}", flush=True)
+    dist.destroy_process_group()
+mode = sys.argv[1]
+if mode == "fail" and rank in (None, "1"):
+    print("rank 1 fails", file=sys.stderr, flush=True)
+    sys.exit(7)
+if mode in ("fail", "sleep"):
+    time.sleep(300)
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.fixture(params=["server", "direct"])
+def launch_env(request, monkeypatch):
+    monkeypatch.setenv("SPARSERL_TEST_FORK_SERVER", "1" if request.param == "server" else "0")
+    return {**os.environ, "LAUNCH_TEST_X": "hello", "OMP_NUM_THREADS": "1"}
+
+
+def test_two_ranks_share_a_gloo_group_and_see_the_callers_environment(tmp_path, launch_env):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    res = subprocess.run(command(2, script, "ok"), env=launch_env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = sorted(line for line in res.stdout.splitlines() if line.startswith("rank="))
+    assert [line.split()[:2] for line in lines] == [["rank=0", "world=2"], ["rank=1", "world=2"]]
+    assert all(f"cwd={tmp_path}" in line and "x=hello" in line and "threads=1" in line for line in lines)
+    assert res.stdout.count("sum=3") == 2
+
+
+def test_one_process_runs_without_the_torchrun_variables(tmp_path, launch_env):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    res = subprocess.run(command(1, script, "fail"), env=launch_env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 7 and "rank 1 fails" in res.stderr
+    assert "rank=None world=None" in res.stdout
+
+
+def test_a_module_runs_as_main(tmp_path, launch_env):
+    res = subprocess.run(command(2, "-m", "json.tool", "--help"), env=launch_env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.count("usage: python -m json.tool") == 2, res.stderr[-2000:]
+
+
+def test_a_failing_rank_stops_the_other_and_gives_its_exit_code(tmp_path, launch_env):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    start = time.monotonic()
+    res = subprocess.run(command(2, script, "fail"), env=launch_env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 7, (res.returncode, res.stderr[-2000:])
+    assert time.monotonic() - start < 120  # rank 0 sleeps 300 s unless it is stopped
+    pids = [int(line.split("pid=")[1]) for line in res.stdout.splitlines() if "pid=" in line]
+    assert len(pids) == 2 and not any(_alive(p) for p in pids)
+
+
+def test_a_killed_caller_takes_its_ranks_with_it(tmp_path, launch_env):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(command(2, script, "sleep"), env=launch_env, cwd=tmp_path, stdout=f,
+                                stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while out.read_text().count("sum=3") < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, out.read_text()[-2000:]
+        time.sleep(0.1)
+    pids = [int(line.split("pid=")[1]) for line in out.read_text().splitlines() if "pid=" in line]
+    proc.kill()  # what subprocess.run does on a timeout
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, "ranks outlived the killed caller"
+        time.sleep(0.1)
