@@ -3,7 +3,6 @@ a run gets its ranks' output, environment, working directory and exit code, a re
 variables, and a failing rank or a killed client stops every rank."""
 import os
 import subprocess
-import sys
 import time
 
 import pytest
