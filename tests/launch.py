@@ -265,6 +265,13 @@ def _launch_for(conn: socket.socket, fds: list[int], request: dict) -> None:
 
 def _client(path: str, nproc: int, target: list[str]) -> int:
     """Run `target` on `nproc` ranks through the fork server at `path`; its exit code."""
+    streams = []
+    for fd in (0, 1, 2):  # a stream the caller closed becomes /dev/null (before the socket could take its number)
+        try:
+            os.fstat(fd)
+            streams.append(fd)
+        except OSError:
+            streams.append(os.open(os.devnull, os.O_RDWR))
     deadline = time.monotonic() + 300
     while not os.path.exists(path):  # the server is still importing
         if time.monotonic() > deadline:
@@ -274,7 +281,7 @@ def _client(path: str, nproc: int, target: list[str]) -> int:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     body = json.dumps({"nproc": nproc, "target": target, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
-    socket.send_fds(conn, [struct.pack("!Q", len(body))], [0, 1, 2])
+    socket.send_fds(conn, [struct.pack("!Q", len(body))], streams)
     conn.sendall(body)
     try:
         return struct.unpack("!i", _recv_exactly(conn, 4))[0]

@@ -103,3 +103,14 @@ def test_a_killed_caller_takes_its_ranks_with_it(tmp_path, launch_env):
     while any(_alive(p) for p in pids):
         assert time.monotonic() < deadline, "ranks outlived the killed caller"
         time.sleep(0.1)
+
+
+def test_a_caller_with_stdin_closed_gives_its_ranks_an_empty_one(tmp_path, monkeypatch):
+    """Through the server, a closed stdin must not be replaced by the client's socket (the first free number)."""
+    monkeypatch.setenv("SPARSERL_TEST_FORK_SERVER", "1")
+    script = tmp_path / "reader.py"
+    script.write_text("import sys\nprint('read', repr(sys.stdin.read()))\n")
+    cmd = " ".join(command(2, script))
+    res = subprocess.run(f"exec 0<&-; {cmd}", shell=True, executable="/bin/bash", capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and res.stdout.count("read ''") == 2, (res.stdout, res.stderr[-2000:])
