@@ -141,7 +141,7 @@ def _run_rank(rank: int, nproc: int, port: int, target: list[str]) -> None:
         os._exit(code)
 
 
-def _stop(pids: dict[int, int], grace: float = 10.0) -> None:
+def _stop(pids: set[int], grace: float = 10.0) -> None:
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
@@ -152,7 +152,7 @@ def _stop(pids: dict[int, int], grace: float = 10.0) -> None:
         for pid in list(pids):
             done, _ = os.waitpid(pid, os.WNOHANG)
             if done:
-                pids.pop(pid)
+                pids.discard(pid)
         time.sleep(0.05)
     for pid in pids:
         try:
@@ -167,14 +167,14 @@ def _run_ranks(nproc: int, target: list[str], watch: socket.socket | None = None
     client's connection: when it closes, the ranks are stopped."""
     port = _free_port()
     _flush()
-    pids: dict[int, int] = {}
+    pids: set[int] = set()
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
             if watch is not None:
                 watch.close()
             _run_rank(rank, nproc, port, target)
-        pids[pid] = rank
+        pids.add(pid)
     first_failure = 0
     while pids:
         if watch is not None:
@@ -187,7 +187,7 @@ def _run_ranks(nproc: int, target: list[str], watch: socket.socket | None = None
                 continue
         else:
             pid, status = os.wait()
-        pids.pop(pid, None)
+        pids.discard(pid)
         code = os.waitstatus_to_exitcode(status)
         if code != 0 and not first_failure:
             first_failure = code if code > 0 else 128 - code

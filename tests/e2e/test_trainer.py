@@ -32,8 +32,7 @@ def write_data(path: Path, rows) -> Path:
 
 
 def trainer(args, nproc=1, cwd=None, timeout=600, extra_env=None, torchrun=False):
-    """Run the GRPO trainer: a plain process for nproc=1, nproc ranks of tests/launch.py above that, or torchrun
-    itself with `torchrun`."""
+    """Run the GRPO trainer on nproc processes through tests/launch.py, or under torchrun itself with `torchrun`."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0", **(extra_env or {})}
     if torchrun:
