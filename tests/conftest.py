@@ -1,4 +1,5 @@
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -12,6 +13,73 @@ TRAIN_DATA = ROOT / "data" / "train"
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+# The test order is shuffled with a seed, printed at the start and the end of the run, so that a test that passes only
+# after (or before) another is found in the one CI run, and its order can be replayed. Modules stay whole (their
+# fixtures are set up once) and so do classes; modules, the classes and functions of a module, and the tests of a class
+# are shuffled. Conftest hooks that order tests (tests/sglang/conftest.py) sort after this one, stably.
+ORDER_SEED_ENV = "SPARSERL_TEST_ORDER_SEED"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--order-seed", default=os.environ.get(ORDER_SEED_ENV, "random"),
+                     help="shuffle the test order with this seed; 'random' (the default) draws one and prints it, "
+                          f"'off' keeps the file order (also from ${ORDER_SEED_ENV})")
+
+
+def _order_seed(config) -> int | None:
+    if not hasattr(config, "_sparserl_order_seed"):
+        given = str(config.getoption("--order-seed")).strip().lower()
+        if given == "off":
+            seed = None
+        elif given == "random":
+            seed = random.SystemRandom().randrange(1_000_000)
+        else:
+            try:
+                seed = int(given)
+            except ValueError:
+                raise pytest.UsageError(f"--order-seed={given}: must be an integer, random or off") from None
+        config._sparserl_order_seed = seed
+    return config._sparserl_order_seed
+
+
+def _order_line(config) -> str:
+    seed = _order_seed(config)
+    if seed is None:
+        return "test order: file order (--order-seed=off)"
+    return f"test order: shuffled with --order-seed={seed} (replay it with that option; --order-seed=off for file order)"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    seed = _order_seed(config)
+    if seed is None or len(items) < 2:
+        return
+    rng = random.Random(seed)
+    modules: dict = {}
+    for item in items:  # module -> class (None for functions) -> items, in file order
+        modules.setdefault(item.nodeid.split("::", 1)[0], {}).setdefault(getattr(item, "cls", None), []).append(item)
+    order = list(modules.values())
+    rng.shuffle(order)
+    shuffled = []
+    for groups in order:
+        units = [[item] for item in groups.pop(None, [])]  # a module's functions, one unit each
+        for members in groups.values():  # a class, one unit, its tests shuffled
+            rng.shuffle(members)
+            units.append(members)
+        rng.shuffle(units)
+        for unit in units:
+            shuffled.extend(unit)
+    items[:] = shuffled
+
+
+def pytest_report_collectionfinish(config, start_path, items):
+    return _order_line(config)  # printed under -q too
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    terminalreporter.write_line(_order_line(config))
 
 
 def tiny_config(family: str = "llama", vocab: int = 128, layers: int = 2):

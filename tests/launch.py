@@ -18,7 +18,11 @@ WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT), then runs t
 The process group is real (gloo over TCP), as under torchrun; what is saved is the import of torch and transformers
 in every process (~8 s of CPU each on the 2-core CI machine) and torchrun's own start. Nothing computes before a
 fork, so no thread pool is forked. A rank that fails makes the others stop (SIGTERM, then SIGKILL). Every forked
-process dies with its parent (PR_SET_PDEATHSIG).
+process dies with its parent (PR_SET_PDEATHSIG, armed only in processes whose parent has one thread: the launchers and
+the ranks). The server itself follows the test session through a pipe on its stdin, not PR_SET_PDEATHSIG: Linux sends
+that signal when the parent *thread* exits, so a server first asked for from a worker thread (a thread pool running
+two trainers side by side) would die with that thread. The pipe's other end is the session's; it closes when the
+session's process exits, whichever thread started the server.
 
 Tests of the launch itself (elastic restarts, signals, several nodes) and the SGLang tests run the real torchrun.
 """
@@ -38,6 +42,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -47,37 +52,69 @@ PRELOAD = ("torch", "torch.distributed.tensor", "transformers", "transformers.mo
            "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2", "omegaconf", "hydra")
 LAUNCH = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(LAUNCH))
-_server: tuple[subprocess.Popen, str] | None = None
+_server: Server | None = None
+_server_lock = threading.Lock()
 
 
 def command(nproc: int, *target: str) -> list[str]:
     """The command line that runs `target` (a script and its arguments, or "-m", a module and its arguments) on
     `nproc` ranks."""
     target = tuple(map(str, target))
-    path = _server_path()
-    if path is not None:
-        return [sys.executable, LAUNCH, f"--via={path}", f"--nproc={nproc}", *target]
+    server = _session_server()
+    if server is not None:
+        return server.command(nproc, *target)
     return [sys.executable, *target] if nproc == 1 else [sys.executable, LAUNCH, f"--nproc={nproc}", *target]
 
 
-def _server_path() -> str | None:
-    """The socket of this session's fork server, started on first use; None when switched off. The server imports
-    with the hub offline (huggingface_hub reads HF_HUB_OFFLINE at import): no test reaches a model hub."""
+class Server:
+    """A fork server: `command(...)` runs a target through it, `stop()` ends it (closing its stdin)."""
+
+    def __init__(self, proc: subprocess.Popen, path: str) -> None:
+        self.proc, self.path = proc, path
+
+    def command(self, nproc: int, *target: str) -> list[str]:
+        return [sys.executable, LAUNCH, f"--via={self.path}", f"--server-pid={self.proc.pid}", f"--nproc={nproc}",
+                *map(str, target)]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()  # the server exits at the end of its stdin
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_server() -> Server:
+    """A new fork server, from any thread: it lives until `stop()` or until this process exits. It imports with the
+    hub offline (huggingface_hub reads HF_HUB_OFFLINE at import): no test reaches a model hub."""
+    folder = tempfile.mkdtemp(prefix="sparserl-fork-")
+    path = os.path.join(folder, "socket")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    with open(os.path.join(folder, "server.log"), "w") as log:
+        # stdin: a pipe whose write end only this process holds (non-inheritable), closed when it exits.
+        proc = subprocess.Popen([sys.executable, LAUNCH, f"--serve={path}"], env=env, stdin=subprocess.PIPE,
+                                stdout=log, stderr=log, cwd=ROOT)
+    server = Server(proc, path)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    atexit.register(server.stop)  # runs first
+    return server
+
+
+def _session_server() -> Server | None:
+    """This session's fork server, started on first use and again if it has died; None when switched off."""
     global _server
     if os.environ.get("SPARSERL_TEST_FORK_SERVER", "1") == "0" or not hasattr(socket, "send_fds"):
         return None
-    if _server is None or _server[0].poll() is not None:
-        folder = tempfile.mkdtemp(prefix="sparserl-fork-")
-        path = os.path.join(folder, "socket")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
-        with open(os.path.join(folder, "server.log"), "w") as log:
-            proc = subprocess.Popen([sys.executable, LAUNCH, f"--serve={path}"], env=env, stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=log, cwd=ROOT)
-        _server = (proc, path)
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        atexit.register(proc.kill)  # runs first
-    return _server[1]
+    with _server_lock:  # side-by-side runs ask from several threads at once
+        if _server is None or not _server.alive():
+            _server = start_server()
+        return _server
 
 
 def _die_with_parent() -> None:
@@ -211,8 +248,7 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes:
 
 
 def _serve(path: str) -> None:
-    """Import, then fork a launcher for every client that connects; never returns."""
-    _die_with_parent()
+    """Import, then fork a launcher for every client that connects, until stdin ends; never returns."""
     _preload()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path + ".tmp")
@@ -220,6 +256,11 @@ def _serve(path: str) -> None:
     os.rename(path + ".tmp", path)  # clients connect once the socket is listening
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # launchers are reaped by the kernel
     while True:
+        readable, _, _ = select.select([server, 0], [], [])
+        if 0 in readable and not os.read(0, 4096):  # the session is gone (or stopped this server)
+            os._exit(0)  # its launchers and their ranks follow (PR_SET_PDEATHSIG)
+        if server not in readable:
+            continue
         conn, _ = server.accept()
         try:
             header, fds, _, _ = socket.recv_fds(conn, 8, 3)
@@ -263,7 +304,18 @@ def _launch_for(conn: socket.socket, fds: list[int], request: dict) -> None:
         os._exit(0)
 
 
-def _client(path: str, nproc: int, target: list[str]) -> int:
+def _gone(pid: int | None) -> bool:
+    """Whether the server `pid` has exited (a zombie counts as exited)."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def _client(path: str, nproc: int, target: list[str], server_pid: int | None = None) -> int:
     """Run `target` on `nproc` ranks through the fork server at `path`; its exit code."""
     streams = []
     for fd in (0, 1, 2):  # a stream the caller closed becomes /dev/null (before the socket could take its number)
@@ -272,37 +324,49 @@ def _client(path: str, nproc: int, target: list[str]) -> int:
             streams.append(fd)
         except OSError:
             streams.append(os.open(os.devnull, os.O_RDWR))
+    gone = (f"launch: the fork server at {path} is gone (its log: {os.path.join(os.path.dirname(path), 'server.log')}); "
+            "the next command of the test session starts another")
     deadline = time.monotonic() + 300
     while not os.path.exists(path):  # the server is still importing
+        if _gone(server_pid):
+            print(gone, file=sys.stderr)
+            return 1
         if time.monotonic() > deadline:
             print(f"launch: no fork server at {path} after 300 s", file=sys.stderr)
             return 1
         time.sleep(0.05)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(path)
+    try:
+        conn.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        print(gone, file=sys.stderr)
+        return 1
     body = json.dumps({"nproc": nproc, "target": target, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     socket.send_fds(conn, [struct.pack("!Q", len(body))], streams)
     conn.sendall(body)
     try:
         return struct.unpack("!i", _recv_exactly(conn, 4))[0]
     except ConnectionError:
-        print("launch: the fork server's launcher died without an exit code", file=sys.stderr)
+        print("launch: the fork server's launcher died without an exit code" +
+              (" (the server is gone)" if _gone(server_pid) else ""), file=sys.stderr)
         return 1
 
 
 def main(argv: list[str]) -> int:
     if argv and argv[0].startswith("--serve="):
         _serve(argv[0].split("=", 1)[1])
-    via = None
+    via = server_pid = None
     if argv and argv[0].startswith("--via="):
         via, argv = argv[0].split("=", 1)[1], argv[1:]
+    if argv and argv[0].startswith("--server-pid="):
+        server_pid, argv = int(argv[0].split("=", 1)[1]), argv[1:]
     if len(argv) < 2 or not argv[0].startswith("--nproc="):
-        print("usage: python tests/launch.py [--via=SOCKET] --nproc=N (script.py | -m module) [args ...]",
+        print("usage: python tests/launch.py [--via=SOCKET [--server-pid=PID]] --nproc=N (script.py | -m module) [args ...]",
               file=sys.stderr)
         return 2
     nproc, target = int(argv[0].split("=", 1)[1]), argv[1:]
     if via is not None:
-        return _client(via, nproc, target)
+        return _client(via, nproc, target, server_pid)
     _preload()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))  # the ranks follow (PR_SET_PDEATHSIG)
     return _run_ranks(nproc, target)

@@ -76,7 +76,10 @@ def row_uniform(keys: torch.Tensor) -> torch.Tensor:  # (B,) float64 in (0, 1)
 # over a 49k vocabulary) are kept for the next step instead of made anew: a fresh tensor of that size is a fresh
 # mapping whose every page faults in on first touch, which cost 15-30 ms per decode step on an AMD EPYC VM (the
 # whole draw took 16-35 ms inside the engine, ~10 ms on reused memory). Per thread, and only up to this size (a
-# 152k vocabulary at batch 64 is 117 MB; larger batches draw into fresh memory as before).
+# 152k vocabulary at batch 64 is 117 MB; larger batches draw into fresh memory as before). The buffers are made outside
+# inference mode whatever the caller's mode: a normal tensor may be written under inference mode, no_grad or neither,
+# while one made under inference mode could never be written outside it again (an engine draws under inference mode,
+# a sampler plugin or an evaluation helper under no_grad, in the same thread).
 _SCRATCH_MAX_BYTES = 128 << 20
 _scratch = threading.local()
 
@@ -87,7 +90,8 @@ def _scratch_tensor(name: str, shape: tuple[int, int], dtype: torch.dtype, devic
         return torch.empty(shape, dtype=dtype, device=device)
     buf = getattr(_scratch, name, None)
     if buf is None or buf.numel() < numel or buf.dtype != dtype:
-        buf = torch.empty(numel, dtype=dtype)
+        with torch.inference_mode(False):
+            buf = torch.empty(numel, dtype=dtype)
         setattr(_scratch, name, buf)
     return buf[:numel].view(shape)
 

@@ -68,7 +68,10 @@ class QueryRing:
 
     def allocate(self, heads: int, dim: int, dtype: torch.dtype, device) -> None:
         shape = (self.rows, self.window, heads, dim)
-        self.buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        # Kept across forwards: made as normal tensors, so that a capture under inference mode and a read or copy-in
+        # outside it (SGLang picks its own grad mode) may both touch them.
+        with torch.inference_mode(False):
+            self.buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
 
     def release(self) -> None:
         """Drop the buffers (the engine sleeps); the next capture allocates them again."""

@@ -105,3 +105,36 @@ def test_inverse_cdf_on_reused_buffers_matches_fresh_float64_sums():
         target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
         want = torch.searchsorted(cdf, target, right=True)[:, 0]
         assert torch.equal(inverse_cdf(logp, u), want), (b, v)
+
+
+def test_a_thread_draws_under_inference_mode_then_under_no_grad():
+    """The draw's reused scratch buffers serve callers in any grad mode: an engine draws under inference mode, a
+    sampler plugin or an evaluation helper under no_grad, one after the other in the same thread."""
+    import threading
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
+    settings = RowSettings.from_rows([(7 + i, 1.0, 1.0, 0) for i in range(4)], "cpu")
+    positions = torch.arange(4)
+    results = {}
+
+    def draw_both_ways():
+        try:
+            draws()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            results["error"] = exc
+
+    def draws():
+        with torch.inference_mode():
+            results["inference"] = sample(logits, settings, positions)[0].tolist()
+        with torch.no_grad():
+            results["no_grad"] = sample(logits, settings, positions)[0].tolist()
+        results["grad"] = sample(logits, settings, positions)[0].tolist()
+        with torch.inference_mode():
+            results["again"] = sample(logits, settings, positions)[0].tolist()
+
+    worker = threading.Thread(target=draw_both_ways)  # a thread of its own: no buffers made by earlier tests
+    worker.start()
+    worker.join()
+    if "error" in results:
+        raise results["error"]
+    assert results["inference"] == results["no_grad"] == results["grad"] == results["again"]

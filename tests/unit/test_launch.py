@@ -114,3 +114,51 @@ def test_a_caller_with_stdin_closed_gives_its_ranks_an_empty_one(tmp_path, monke
     res = subprocess.run(f"exec 0<&-; {cmd}", shell=True, executable="/bin/bash", capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0 and res.stdout.count("read ''") == 2, (res.stdout, res.stderr[-2000:])
+
+
+def test_a_server_first_used_from_a_thread_that_exits_serves_the_next_run(tmp_path):
+    """A fresh fork server, started and first used from a worker thread (as a thread pool running two trainers side
+    by side does), outlives that thread: a 2-rank run after the thread has exited goes through it."""
+    import threading
+
+    from tests.launch import start_server
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "LAUNCH_TEST_X": "hello", "OMP_NUM_THREADS": "1"}
+    first = {}
+
+    def start_and_use():
+        server = first["server"] = start_server()  # a new server, not the session's
+        first["run"] = subprocess.run(server.command(1, script, "ok"), env=env, cwd=tmp_path, capture_output=True,
+                                      text=True, timeout=300)
+
+    worker = threading.Thread(target=start_and_use)
+    worker.start()
+    worker.join()
+    server = first["server"]
+    try:
+        assert first["run"].returncode == 0, first["run"].stderr[-2000:]
+        time.sleep(0.5)  # time for a signal sent at the thread's exit to arrive
+        assert server.alive()
+        res = subprocess.run(server.command(2, script, "ok"), env=env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert res.stdout.count("sum=3") == 2
+    finally:
+        server.stop()
+    assert not server.alive()
+
+
+def test_a_client_whose_server_is_gone_says_so_in_one_line(tmp_path):
+    from tests.launch import start_server
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    server = start_server()
+    server.proc.kill()
+    server.proc.wait()
+    res = subprocess.run(server.command(2, script, "ok"), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    assert res.stderr.strip().count("\n") == 0 and "fork server" in res.stderr and "is gone" in res.stderr, res.stderr
+    assert "rank=" not in res.stdout

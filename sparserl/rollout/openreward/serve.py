@@ -5,8 +5,10 @@ it defines itself. They are served with the SDK's own `Server` (the same HTTP pr
 platform), so the trainer's client code does not know the difference:
 
 - `ServerProcess.start(path)`: a child process (`python -m sparserl.rollout.openreward.serve PATH`), what the
-  trainer's rank 0 runs. The env code cannot stall training, and the child dies with its parent (Linux
-  parent-death signal, plus `stop()` at exit). Its log goes to a file.
+  trainer's rank 0 runs. The env code cannot stall training, and the child ends with its parent: its stdin is a
+  pipe whose other end only the parent holds, and it stops when that closes (the parent exits, however it dies,
+  or calls `stop()`). Not the Linux parent-death signal: that follows the parent *thread* that started the child,
+  so a server started from a worker thread would die with the thread. Its log goes to a file.
 - `ThreadServer(classes)`: uvicorn in a daemon thread of this process, for tests and notebooks.
 
 Both bind 127.0.0.1 and a free port unless told otherwise, and are ready (answering `/health`) when they
@@ -172,13 +174,18 @@ class ThreadServer:
         self._thread.join(timeout_s)
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        import ctypes
+def _follow_stdin() -> None:
+    """Stop this process (SIGTERM, which uvicorn answers with a graceful shutdown) when stdin ends: the parent that
+    holds the pipe's other end has exited or closed it."""
+    def watch() -> None:
+        try:
+            while os.read(0, 4096):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 class ServerProcess:
@@ -194,10 +201,10 @@ class ServerProcess:
         url = f"http://{host}:{sock.getsockname()[1]}"
         log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        try:
+        try:  # stdin: the lifeline (module docstring); its write end stays in `proc.stdin` until stop()
             proc = subprocess.Popen([sys.executable, "-m", "sparserl.rollout.openreward.serve", str(resolve_path(path)),
-                                     "--fd", str(sock.fileno())], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    pass_fds=(sock.fileno(),), preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                     "--fd", str(sock.fileno()), "--exit-with-stdin"], stdin=subprocess.PIPE,
+                                    stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(sock.fileno(),))
         finally:
             sock.close()  # the child holds its own copy
             if log_path:
@@ -211,6 +218,8 @@ class ServerProcess:
         return server
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -227,7 +236,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8080)
     ap.add_argument("--fd", type=int, default=None, help="serve on this inherited, bound socket instead")
+    ap.add_argument("--exit-with-stdin", action="store_true", help="stop when stdin ends (the parent's lifeline)")
     args = ap.parse_args(argv)
+    if args.exit_with_stdin:
+        _follow_stdin()
     import uvicorn
     from openreward.environments import Server
 
