@@ -4,7 +4,8 @@ Token-in, token-out: a trajectory's tokens are exactly what the engine sampled p
 observations; text is decoded only to hand the env its `action`. Per turn:
 
 1. one engine call for every live trajectory (turn 1: each prompt with `params.n`, which the engine
-   expands; later turns: each trajectory alone, n=1, its prompt the full token history);
+   expands; later turns: each trajectory alone, n=1, its prompt the full token history, drawing from its first
+   turn's stream at the positions that follow: no two trajectories of a step share a stream);
 2. one env step for each of them at once (`asyncio.gather`);
 3. a trajectory goes on while the env says not done, its `max_turns` is not reached, its turn was not cut by
    `max_new_tokens`, and `max_total_tokens` leaves room; the observation is appended with loss mask 0 and
@@ -51,7 +52,7 @@ from sparserl.engines.protocol import RolloutEngine, supports_sessions
 from sparserl.rollout.env_module import ModuleDriver
 from sparserl.rollout.episode import EnvCalls, EnvDriver, Opening, Sample, failure_status, row_extra
 from sparserl.engines.types import Generation, GenerationRequest, SamplingParams
-from sparserl.utils.seed import turn_seed
+from sparserl.utils.seed import trajectory_index
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class _Live:
     max_turns: int
     done: bool = False
     session: Any = None  # the engine's key for this trajectory's held KV (engines with sessions), else None
+    seed_index: int | None = None  # keys its later turns' draws with its first turn's stream (set at turn 1)
 
 
 async def _guarded(coro):
@@ -106,19 +108,18 @@ def _append_observation(live: _Live, obs_ids: list[int], max_total_tokens: int |
     return True
 
 
-def _continue_request(live: _Live, i: int, params: SamplingParams, turn: int, max_total_tokens: int | None,
-                      seed_index: int | None = None) -> GenerationRequest:
+def _continue_request(live: _Live, i: int, params: SamplingParams, turn: int, max_total_tokens: int | None) -> GenerationRequest:
     s = live.sample
     budget = params.max_new_tokens
     if max_total_tokens is not None:
         budget = min(budget, max_total_tokens - len(s.prompt_ids) - len(s.response_ids))
-    # Distinct seeds per trajectory and turn, still reproducible from the run's seed; with a seed index the
-    # trajectory's own key replaces its position among this turn's survivors.
-    seed = None if params.seed is None else turn_seed(params.seed, turn, i if seed_index is None else 0)
+    # Every turn draws from the trajectory's own first-turn stream (the request seed, or the engine's, and its seed
+    # index as sample 0: `utils.seed.trajectory_index`); its logical positions only grow, so no two draws of a step
+    # share a (seed, position) key, and a trajectory's draws do not depend on which others are still going.
     # The engine continues the trajectory's held KV (if it kept it) and keeps it again unless this is the last turn.
     keep = live.session is not None and turn < live.max_turns
-    return GenerationRequest(s.prompt_ids + s.response_ids, params.replace(n=1, max_new_tokens=budget, seed=seed), request_id=i,
-                             seed_index=seed_index, session_id=live.session, keep_session=keep)
+    return GenerationRequest(s.prompt_ids + s.response_ids, params.replace(n=1, max_new_tokens=budget), request_id=i,
+                             seed_index=live.seed_index, session_id=live.session, keep_session=keep)
 
 
 def _fail(live: _Live, status: str) -> None:
@@ -201,6 +202,10 @@ async def _run_turns(engine: RolloutEngine, tokenizer, driver: EnvDriver, lives:
             continue
         # Engines with sessions keep each sample's KV for its next turn (`keep_session`); others ignore the key.
         keep = sessions and max(lv.max_turns for lv in group) > 1
+        # The engine keys this request's samples by its seed index, else its place in `requests`.
+        index = len(requests) if seed_indices is None else seed_indices[g]
+        for lv in group:
+            lv.seed_index = trajectory_index(index, lv.sample_index)
         requests.append(GenerationRequest(ids, params.replace(max_new_tokens=budget), request_id=g,
                                           seed_index=None if seed_indices is None else seed_indices[g],
                                           session_id=("rollout", g) if keep else None, keep_session=keep))
@@ -236,9 +241,7 @@ async def _run_turns(engine: RolloutEngine, tokenizer, driver: EnvDriver, lives:
         await driver.close([lv.k for lv, _ in active if lv.done])
 
         turn += 1
-        requests = [_continue_request(lv, i, params, turn, max_total_tokens,
-                                      None if seed_indices is None else seed_indices[lv.sample.group] * n + lv.sample_index)
-                    for i, lv in enumerate(going_on)]
+        requests = [_continue_request(lv, i, params, turn, max_total_tokens) for i, lv in enumerate(going_on)]
         by_key = _generate(engine, requests, [1] * len(requests)) if requests else {}
         active = [(lv, by_key[(i, 0)]) for i, lv in enumerate(going_on)]
 

@@ -9,7 +9,7 @@ checkpoint, and data order uses its own generator seeded with `seed` alone.
 alone: a resumed run, on any number of processes, continues the same streams without saving any
 generator state (sparserl/actor/checkpoint.py).
 
-Every derived stream (a step's, an engine sample's, a turn's, an eval set's, a data source's) comes from one
+Every derived stream (a step's, an engine sample's, an eval set's, a data source's) comes from one
 function, `derive(base, (key, stride), ...) = base * MIX + sum(key * stride)` (optionally reduced modulo a bound),
 through the named helpers below; engines and the trainer call those and never write the mix by hand.
 
@@ -33,6 +33,8 @@ except ImportError:  # numpy is optional; torch and python random are always see
 
 MIX = 1_000_003  # a prime: streams of neighbouring bases do not overlap for any realistic key range
 SAMPLE_MOD = 2**63 - 1  # sample streams fit torch.Generator.manual_seed and int64 tensors
+_SAMPLE_STRIDE = 10_007  # a prime: the stride of the seed index in a sample's stream key (`sample_seed`)
+_SAMPLE_STRIDE_INVERSE = pow(_SAMPLE_STRIDE, -1, SAMPLE_MOD)
 
 
 def derive(base: int, *keys: tuple[int, int], modulus: int | None = None) -> int:
@@ -49,12 +51,18 @@ def step_seed(seed: int, step: int) -> int:
 def sample_seed(base: int, index: int, sample: int) -> int:
     """Sample `sample` of the request at seed index `index` under an engine (or request) seed `base`: the one
     stream key every engine draws a sample with, so that engines agree by construction."""
-    return derive(base, (index, 10_007), (sample, 1), modulus=SAMPLE_MOD)
+    return derive(base, (index, _SAMPLE_STRIDE), (sample, 1), modulus=SAMPLE_MOD)
 
 
-def turn_seed(seed: int, turn: int, index: int = 0) -> int:
-    """The request seed of turn `turn` of a multi-turn episode whose first turn had request seed `seed`."""
-    return derive(turn, (seed, 1), (index, 1))
+def trajectory_index(index: int, sample: int) -> int:
+    """The seed index whose sample 0 draws from the stream of sample `sample` at seed index `index`, under any base:
+    `sample_seed(base, trajectory_index(index, sample), 0) == sample_seed(base, index, sample)`. A multi-turn
+    trajectory's later turns are single-sample requests (n=1); keyed by this index they go on drawing from the
+    trajectory's own first-turn stream, at logical positions that only grow, so no two trajectories share a stream.
+    (10_007 is prime and does not divide SAMPLE_MOD: it has an inverse modulo SAMPLE_MOD.) Sample 0 keeps its index."""
+    if sample == 0:
+        return index
+    return (int(index) + int(sample) * _SAMPLE_STRIDE_INVERSE) % SAMPLE_MOD
 
 
 def set_seed(seed: int, rank: int = 0) -> int:

@@ -5,7 +5,7 @@ from sparserl.engines.draw import RowSettings, sample
 from sparserl.engines.native.sampler import Sampler
 from sparserl.engines.native.sequence import Sequence
 from sparserl.engines.types import SamplingParams
-from sparserl.utils.seed import MIX, SAMPLE_MOD, derive, sample_seed, step_seed, turn_seed
+from sparserl.utils.seed import MIX, SAMPLE_MOD, derive, sample_seed, step_seed, trajectory_index
 
 
 def test_derivations_by_hand():
@@ -14,7 +14,7 @@ def test_derivations_by_hand():
     assert derive(-4, (1, 1), modulus=97) == (-4 * MIX + 1) % 97
     assert step_seed(2, 9) == 2 * 1_000_003 + 9 * 7_919
     assert sample_seed(11, 4, 3) == (11 * 1_000_003 + 4 * 10_007 + 3) % (2**63 - 1)
-    assert turn_seed(17, 2, 5) == 17 + 2 * 1_000_003 + 5
+    assert trajectory_index(4, 3) * 10_007 % SAMPLE_MOD == 4 * 10_007 + 3 and trajectory_index(4, 0) == 4
     # Large bases stay in the range torch.Generator.manual_seed accepts.
     assert 0 <= sample_seed(2**62, 2**40, 7) < SAMPLE_MOD
 
