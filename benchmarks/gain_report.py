@@ -11,9 +11,10 @@ from benchmarks.common import print_table
 from benchmarks.replicate_long import curves, mean_std, plot_bands
 from benchmarks.replicate_sparse_rl import fmt
 
-# the per-step metrics a run's record keeps
+# the per-step metrics a run's record keeps (rescue/before_xi_p05: records made before sampler/xi_p05 replaced it)
 KEPT = ("reward/mean", "kv/retained_frac", "kv/budget", "correction/rejected_seq_frac", "rescue/frac",
-        "rescue/rejected_before_frac", "rescue/before_xi_p05", "rescue/reward_mean", "mismatch/kl", "mismatch/xi_p05",
+        "rescue/rejected_before_frac", "rescue/before_xi_p05", "sampler/xi_p05", "sampler/xi_p01",
+        "sampler/rejected_seq_frac", "rescue/reward_mean", "mismatch/kl", "mismatch/xi_p05",
         "mismatch/xi_p01", "mismatch/low_xi_pos_adv_frac", "actor/entropy", "actor/grad_norm", "response/len_mean", "perf/step_s",
         "perf/rollout_s", "perf/update_s")
 DIAGNOSTICS = ("kv/retained_frac", "kv/budget", "correction/rejected_seq_frac", "mismatch/xi_p05", "mismatch/kl",

@@ -56,6 +56,9 @@ class TrainBatch:
     weights: torch.Tensor | None = None  # correction weights (B, T)
     kl_weights: torch.Tensor | None = None
     origin: list[tuple[int, int]] | None = None  # (DP rank, row) each row was rolled out at; None: here, in order
+    # (B, T) the sampler's tokens: the model tokens of the responses, as rolled out (`mask` before the length-cut
+    # mask and the correction changed it); None: `mask` is that
+    response_mask: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -260,14 +260,6 @@ def low_xi_metrics(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor, advantag
     return out | {name: histogram_quantile(s[4:], q) for name, q in TAIL_QUANTILES.items()}
 
 
-def xi_tail_metrics(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor, reduce_sum: Reduce | None = None) -> dict[str, float]:
-    """`TAIL_QUANTILES` of xi over the response tokens of `mask`, summed over ranks by `reduce_sum` (what
-    `low_xi_metrics` computes with its own all-reduce)."""
-    log_xi, on = log_ratio(logp_old, logp_sparse, mask)
-    hist = (reduce_sum or _identity)(_log_xi_histogram(log_xi[on]))
-    return {name: histogram_quantile(hist, q) for name, q in TAIL_QUANTILES.items()}
-
-
 def _log_xi_histogram(log_xi: Tensor) -> Tensor:
     """(BINS + 2,) float64 counts of `log_xi` (1-D): one below the range, the bins, one above."""
     width = (_TAIL_HI - _TAIL_LO) / _TAIL_BINS

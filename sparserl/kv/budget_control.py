@@ -1,9 +1,12 @@
 """`rollout.kv.budget=auto`: the KV budget chosen step by step by the mismatch it causes. Plain Python.
 
 The statistic is the tail of the per-token ratio xi = p_dense / p_sparse of the sampled tokens (`logp_old` against
-`logp_sparse`, the trainer has both every step): its 5th percentile over the step's response tokens, all DP
-ranks together (`mismatch/xi_p05`, algo/correction.py `xi_tail_metrics`). A compressed sampler that drew tokens the
-dense policy finds much less likely pulls that tail down; the mean barely moves (most tokens agree exactly).
+`logp_sparse`, the trainer has both every step): its 5th percentile over every sampled token the step scored
+densely, all DP ranks together, before dynamic sampling, the correction or the rescue chose what to train on
+(`sampler/xi_p05`, algo/sampler_stats.py). Those filters drop or replace exactly the low-xi sequences, so the trained
+batch's tail (`mismatch/xi_p05`) reads higher than the sampler's and would let the budget fall past `target`. A
+compressed sampler that drew tokens the dense policy finds much less likely pulls that tail down; the mean barely
+moves (most tokens agree exactly). The value read each step is logged as `kv/budget_tail`.
 
 The rule, applied after each step to choose the next step's budget (`BudgetController.update`):
   * tail below `target`: the budget rises at once by `factor` (capped at `ceiling`);
@@ -30,15 +33,15 @@ from dataclasses import dataclass
 
 from sparserl.config_checks import check_section, opt
 
+def tail_key(statistic: str) -> str:
+    """The metric the controller reads for `rollout.kv.control.statistic`: the sampler's own tail."""
+    return f"sampler/{statistic}"
+
+
 def tail_of(metrics: dict, statistic: str) -> float | None:
     """The step's tail statistic (`rollout.kv.control.statistic`) as the controller must see it: the sparse
-    sampler's own, from before the rescue's dense redraws replaced its rejected sequences when there was a rescue."""
-    before, step = _TAIL_KEYS[statistic]
-    return metrics.get(before, metrics.get(step))
-
-
-_TAIL_KEYS = {"xi_p05": ("rescue/before_xi_p05", "mismatch/xi_p05"),
-              "xi_p01": ("rescue/before_xi_p01", "mismatch/xi_p01")}  # statistic -> (pre-rescue key, step key)
+    sampler's own, over every sampled token the step scored densely, before any filter (`tail_key`)."""
+    return metrics.get(tail_key(statistic))
 
 
 @dataclass

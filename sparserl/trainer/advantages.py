@@ -82,7 +82,9 @@ def set_advantages(algo: AlgoConfig, batch: TrainBatch, samples: list[Sample], n
     batch.advantages = adv.reshape(-1)
     metrics.update(m)
     if batch.logp_old is not None:
-        response_mask = pad([s.loss_mask for s in samples], batch.mask.shape[1], batch.mask.device)
+        response_mask = batch.response_mask
+        if response_mask is None:
+            response_mask = pad([s.loss_mask for s in samples], batch.mask.shape[1], batch.mask.device)
         metrics.update(low_xi_metrics(batch.logp_old, batch.logp_sparse, response_mask, batch.advantages,
                                       dist_reduce_sum(dp_group)))
     return metrics

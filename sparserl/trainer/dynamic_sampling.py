@@ -24,8 +24,9 @@ Rounds (`collect`):
   4. `plan_groups` keeps the first informative groups in (round, place) order, at most the target and a
      multiple of the DP size, so every rank trains on as many groups; a rank keeps its own groups up to its
      share and the surplus moves to the ranks short of theirs (one `all_gather_object` of the moving groups).
-     With none to keep, the step trains on round 1's groups as they are (zero advantages: only the entropy and
-     KL terms move the policy) and says so in the log.
+     With none to keep, the step trains on round 1's groups as they are and says so in the log; under the
+     correction, the groups round 1 did not score (tied rewards) get their dense pass then, so the batch arrives
+     with every logp_old.
 With `parallel.tp > 1` only a TP group's owner rolls out; its peers receive each round's samples (`roll` does
 it), so every rank of a TP group judges the same groups and makes the same moves over its DP group.
 
@@ -196,6 +197,7 @@ class DynamicSampling:
             return StepRollout(r.samples, None, [(1, first.local_start + g) for g in range(len(r.samples) // self.n)],
                                r.samples, r.metrics, r.stats, {})
         assert dense_logprobs is not None or not self.judges_correction, "the correction's rejections need logp_old"
+        self._first_groups: list[Group] = []
         rounds: list[Round] = []
         mine: list[Group] = []  # this rank's informative groups, in order
         counts: list[list[int]] = []  # per round, every rank's count
@@ -216,9 +218,10 @@ class DynamicSampling:
         else:
             log0(f"dynamic sampling: {informative} informative group(s) in {len(rounds)} round(s), fewer than the "
                  f"{self.dp_size} data-parallel ranks; the step trains on round 1's groups")
-            first_round = rounds[0].samples
-            groups = [Group((1, first.local_start + g), first_round[g * self.n: (g + 1) * self.n])
-                      for g in range(len(first_round) // self.n)]
+            groups = self._first_groups
+            if self.judges_correction:  # the groups round 1 did not score: one more dense pass (a collective)
+                unscored = [g for g in groups if g.logp_old is None]
+                self._score(unscored, dense_logprobs)
         samples = [s for g in groups for s in g.samples]
         for i, s in enumerate(samples):
             s.group = i // self.n  # the batch's groups, in order
@@ -235,6 +238,8 @@ class DynamicSampling:
         """This rank's informative groups of a round whose prompts start at `start` in the round's global list."""
         n, algo = self.n, self.algo
         groups = [Group((round_, start + g), samples[g * n: (g + 1) * n]) for g in range(len(samples) // n)]
+        if round_ == 1:
+            self._first_groups = groups  # the step's fallback trains on them (`collect`)
         rewards, _ = shaped_rewards(algo, samples, self.max_new_tokens)
         in_loss = torch.tensor([any(s.loss_mask) and not (algo.overlong.mask and cut_by_length(s)) for s in samples],
                                dtype=torch.bool)  # (B,) a model token left in the loss
@@ -245,19 +250,25 @@ class DynamicSampling:
         # runs it, with no sequences where it has none).
         groups = [g for g, k in zip(groups, keep.tolist()) if k]
         picked = [s for g in groups for s in g.samples]
-        batch = to_train_batch(picked, self.device, mask_overlong=algo.overlong.mask)
-        logp_old = dense_logprobs(batch)
-        if logp_old is None:  # no rank had a sequence to score
-            logp_old = torch.zeros_like(batch.mask)
+        batch, logp_old = self._score(groups, dense_logprobs)
         _, decision = explain(algo.correction, logp_old, batch.logp_sparse, batch.mask)
         in_loss = decision.keep.any(-1).cpu()  # (B,) some token survives the correction
         valid = None if algo.correction.rejected_in_baseline else ~(decision.veto | decision.geo).cpu().view(-1, n)
         rewards, _ = shaped_rewards(algo, picked, self.max_new_tokens)
         keep = informative_groups(rewards.view(-1, n), in_loss.view(-1, n), algo.adv_estimator, valid)
+        return [g for g, k in zip(groups, keep.tolist()) if k]
+
+    def _score(self, groups: list[Group], dense_logprobs: DenseLogprobs) -> tuple[TrainBatch, torch.Tensor]:
+        """The dense pass over `groups` (a collective: every rank runs it, with no sequences where it has none); each
+        group keeps its rows in `logp_old`. Returns the pass's batch and log-probs."""
+        batch = to_train_batch([s for g in groups for s in g.samples], self.device, mask_overlong=self.algo.overlong.mask)
+        logp_old = dense_logprobs(batch)
+        if logp_old is None:  # no rank had a sequence to score
+            logp_old = torch.zeros_like(batch.mask)
         rows = logp_old.detach().cpu()
         for gi, g in enumerate(groups):
-            g.logp_old = [rows[gi * n + j, : len(s.response_ids)].clone() for j, s in enumerate(g.samples)]
-        return [g for g, k in zip(groups, keep.tolist()) if k]
+            g.logp_old = [rows[gi * self.n + j, : len(s.response_ids)].clone() for j, s in enumerate(g.samples)]
+        return batch, logp_old
 
     def _gather_count(self, count: int) -> list[int]:
         if self.dp_size == 1:

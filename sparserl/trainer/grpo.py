@@ -55,7 +55,9 @@ def train(cfg: Config) -> None:
     from sparserl.engines.weight_sync import sync_weights
     from sparserl.rollout.worker import rollout
     from sparserl.launch.engines import build_rollout_engine, pool_slots, sampling_params
-    from sparserl.kv.budget_control import BudgetController, tail_of
+    from sparserl.algo.correction import dist_reduce_sum
+    from sparserl.algo.sampler_stats import SamplerStats
+    from sparserl.kv.budget_control import BudgetController, tail_key, tail_of
     from sparserl.trainer import setup as S
     from sparserl.trainer.faults import PREEMPTED_EXIT_CODE, Preemption, check_skips, injected_nan
     from sparserl.trainer.advantages import set_advantages
@@ -88,12 +90,16 @@ def train(cfg: Config) -> None:
     num_slots = pool_slots(cfg, task.max_prompt, cfg.trainer.prompts_per_step // dims.dp)
     engine = build_rollout_engine(cfg, inputs.model_path, tokenizer, info.device, num_slots, cfg.trainer.seed)
     budget = BudgetController(cfg.rollout.kv.control) if cfg.rollout.kv.auto_budget else None  # rollout.kv.budget=auto
+    if budget is not None:
+        log0(f"kv budget: steered by {tail_key(cfg.rollout.kv.control.statistic)} (every sampled token scored "
+             f"densely, before any filter) toward {cfg.rollout.kv.control.target}, logged as kv/budget_tail")
     start = 0
     resume_from = checkpoint.resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
     if resume_from is not None:  # any number of processes: nothing saved depends on it (actor/checkpoint.py)
         state = checkpoint.load(resume_from, actor.model, actor.optimizer)
         actor.scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
+        S.restore_skips(state, actor)  # its saved settings were checked / restored in S.start_processes
         if budget is not None and "kv_budget" in state:
             budget.load_state_dict(state["kv_budget"])
             engine.set_kv_budget(budget.budget)
@@ -111,7 +117,9 @@ def train(cfg: Config) -> None:
     if evals.enabled and start == 0:
         logger.log(0, evals.run(0))
     loss_cfg = loss_config(cfg.algo)
-    old_logprobs = OldLogprobs.choose(cfg, actor, loss_cfg)  # a separate pass, or the update's own forward
+    # The sampler's mismatch before any filter (sampler/*): every dense pass over sparse samples feeds it.
+    sampled = SamplerStats(cfg.algo.correction)
+    old_logprobs = OldLogprobs.choose(cfg, actor, loss_cfg, sampled)  # a separate pass, or the update's own forward
     log0(f"old log-probs: {old_logprobs.description}")
     skip, why_not = zero_advantage_no_grad(cfg)
     # balance_ranks' cost of a trained token vs a no-grad one: forward + backward (2) [+ recomputed forward] vs forward
@@ -179,12 +187,15 @@ def train(cfg: Config) -> None:
         engine.sleep()
         release_free_memory()
         with timers("old_logprobs"), reuse_heap():
-            return actor.logprobs(batch)
+            logp_old = actor.logprobs(batch)
+        sampled.add_batch(logp_old, batch)
+        return logp_old
 
     def save(step: int) -> None:
         state = {"step": step, "scheduler": actor.scheduler.state_dict(), "sampler": sampler.state_dict(),
                  **({"kv_budget": budget.state_dict()} if budget is not None else {}),
-                 "world_size": info.world_size, "tp": dims.tp, "cp": dims.cp}
+                 "world_size": info.world_size, "tp": dims.tp, "cp": dims.cp,
+                 **S.resume_record(cfg, actor.consecutive_skips)}  # what a resume checks and keeps (trainer/resume.py)
         checkpoint.save(cfg.trainer.output_dir, step, actor.model, actor.optimizer, state, info.rank, cfg.trainer.keep_last)
 
     for step in range(start + 1, cfg.trainer.total_steps + 1):
@@ -251,13 +262,14 @@ def train(cfg: Config) -> None:
                                       time.perf_counter() - t_step, actor.dp_group, info.device)
         metrics.update(step_rollout.metrics | rescued.metrics | correction_metrics | adv_metrics | balance_metrics
                        | actor_metrics)
+        metrics.update(sampled.metrics(dist_reduce_sum(actor.dp_group), info.device))
         metrics.update(memory_metrics(info.device, actor.dp_group))
         last = step == cfg.trainer.total_steps or step == cfg.trainer.stop_after
         metrics.update(evals.maybe(step, last))
-        if budget is not None:  # the next step's budget, from this step's mismatch tail
+        if budget is not None:  # the next step's budget, from this step's sampler tail (before any filter)
             metrics["kv/budget"] = budget.budget
-            # The sparse rollout's own tail: before the rescue's dense redraws replaced its rejected sequences.
-            engine.set_kv_budget(budget.update(tail_of(metrics, cfg.rollout.kv.control.statistic)))
+            metrics["kv/budget_tail"] = tail = tail_of(metrics, cfg.rollout.kv.control.statistic)
+            engine.set_kv_budget(budget.update(tail))
         logger.log(step, metrics)
         check_skips(actor.consecutive_skips, cfg.trainer.max_skipped_steps, step, cfg.trainer.output_dir)
         preempted = preemption.requested()  # a collective: every rank learns whether any rank was signalled

@@ -35,14 +35,19 @@ GROUPS: dict[str, str] = {
     "dynamic": ("Dynamic sampling (`algo.dynamic_sampling.enable=true`): the step's rollout rounds and the groups "
                 "(a prompt's `rollout.n` samples) with a learning signal, over all data-parallel ranks "
                 "(docs/training.md). With it on, the reward/, score/, response/, env/ and kv/ metrics cover every "
-                "round's samples, dropped groups included; adv/, actor/, mismatch/, correction/ and overlong/ the "
-                "groups trained on."),
+                "round's samples, dropped groups included; sampler/ every sample a round scored densely; adv/, actor/, "
+                "mismatch/, correction/ and overlong/ the groups trained on."),
     "overlong": ("Responses cut by a length limit (`algo.overlong.*`), over the step's trained samples on all "
                  "data-parallel ranks."),
     "actor": "The policy update: means over the step's optimizer steps and all ranks.",
     "mismatch": ("How far the sampler's log-probs (logp_sparse) are from the trainer's dense recompute (logp_old) on "
-                 "the sampled response tokens of the step, all ranks; logged whether or not the correction is on "
-                 "(docs/correction.md). xi = exp(logp_old - logp_sparse)."),
+                 "the response tokens of the batch trained on, all ranks; logged whether or not the correction is on "
+                 "(docs/correction.md). xi = exp(logp_old - logp_sparse). The batch is what dynamic sampling kept "
+                 "and the rescue made of the rollout: sampler/ has the same tail before those filters."),
+    "sampler": ("The sparse sampler's mismatch as it sampled: every sampled token (length-cut ones included) of every "
+                "sequence whose dense log-probs the step computed (each dynamic-sampling round's pass, the logp_old "
+                "pass or the update's forward; not the rescue's dense redraws), before dynamic sampling, the "
+                "correction or the rescue chose what to train on, all ranks (algo/sampler_stats.py)."),
     "correction": ("The sparsity correction (`algo.correction.*`): token mask, sequence rejection and importance "
                    "weights, over the response tokens (or sequences) of the step on all ranks."),
     "rescue": ("The rescue of rejected samples (`algo.correction.rescue=dense`, docs/correction.md): the sequences the "
@@ -163,10 +168,20 @@ METRICS: tuple[Metric, ...] = (
     Metric("mismatch/low_xi_frac", "Share of response tokens with xi < 0.1 (the dense policy finds them 10x less likely)"),
     Metric("mismatch/low_xi_pos_adv_frac", "The same share among tokens of positive-advantage sequences, where an "
            "uncorrected update pushes hardest"),
-    Metric("mismatch/xi_p01", "1st percentile of xi = p_dense / p_sparse over the step's response tokens, all ranks "
-           "(from a histogram of log xi: exact to ~0.2% inside [0.0067, 148])"),
-    Metric("mismatch/xi_p05", "5th percentile of xi over the step's response tokens, all ranks: the tail statistic "
-           "`rollout.kv.budget=auto` keeps at or above `rollout.kv.control.target`"),
+    Metric("mismatch/xi_p01", "1st percentile of xi = p_dense / p_sparse over the response tokens of the batch "
+           "trained on, length-cut ones included, all ranks (from a histogram of log xi: exact to ~0.2% inside "
+           "[0.0067, 148])"),
+    Metric("mismatch/xi_p05", "5th percentile of xi over the response tokens of the batch trained on, all ranks "
+           "(the trained batch's; the controller reads `sampler/xi_p05`)"),
+    # sampler/
+    Metric("sampler/xi_p05", "5th percentile of xi over every sampled token scored densely, before any filter: the "
+           "tail statistic `rollout.kv.budget=auto` keeps at or above `rollout.kv.control.target`"),
+    Metric("sampler/xi_p01", "1st percentile of the same (`rollout.kv.control.statistic=xi_p01` steers by it)"),
+    Metric("sampler/low_xi_frac", "Share of those tokens with xi < 0.1"),
+    Metric("sampler/rejected_seq_frac", "Share of the scored sequences the correction rejects whole (what "
+           "`correction/rejected_seq_frac` would read before dynamic sampling and the rescue)", CORRECTION),
+    Metric("sampler/seqs", "Sequences scored densely this step (every round), all ranks"),
+    Metric("sampler/tokens", "Their sampled tokens, all ranks"),
     # correction/
     Metric("correction/kept_token_frac", "Share of response tokens that keep their place in the loss", CORRECTION),
     Metric("correction/masked_low_frac", "Share of tokens masked for xi below `algo.correction.token_low`", CORRECTION),
@@ -183,21 +198,20 @@ METRICS: tuple[Metric, ...] = (
     Metric("correction/ess", "Effective sample size of the kept tokens' weights as a share of their number "
            "((sum w)^2 / (n sum w^2); 1 = uniform)", CORRECTION),
     # rescue/
-    Metric("rescue/rejected_before_frac", "Share of sequences the correction rejected before the rescue (what "
-           "`correction/rejected_seq_frac` would be without it)", RESCUE),
+    Metric("rescue/rejected_before_frac", "Share of the batch's sequences the correction rejected before the rescue "
+           "(what `correction/rejected_seq_frac` would be without it; over every scored sample: "
+           "`sampler/rejected_seq_frac`)", RESCUE),
     Metric("rescue/seqs", "Sequences re-rolled densely (one per rejected sequence, every sample of a group re-rolled "
            "whole by `algo.correction.rescue_group_frac`), all ranks", RESCUE),
     Metric("rescue/frac", "`rescue/seqs` as a share of the batch's sequences", RESCUE),
     Metric("rescue/reward_mean", "Mean reward of the re-rolled samples", f"{RESCUE}, steps with `rescue/seqs > 0`"),
-    Metric("rescue/before_xi_p01", "`mismatch/xi_p01` of the sparse rollout, before the redraws replaced its rejected "
-           "sequences", RESCUE),
-    Metric("rescue/before_xi_p05", "`mismatch/xi_p05` of the sparse rollout before the redraws (what "
-           "`rollout.kv.budget=auto` reads when the rescue is on)", RESCUE),
     # kv/
     Metric("kv/retained_frac", "KV entries the samples held at their end / what a dense cache would hold (1 when dense)"),
     Metric("kv/compressions", "KV compressions run (`rollout.kv.*`), all ranks"),
     Metric("kv/budget", "The KV budget this step's rollouts compressed to (chosen by the controller from the "
-           "previous steps' `mismatch/xi_p05`, or `rescue/before_xi_p05` with the rescue on)", "`rollout.kv.budget=auto`"),
+           "previous steps' `kv/budget_tail`)", "`rollout.kv.budget=auto`"),
+    Metric("kv/budget_tail", "The tail statistic the controller read this step to choose the next budget: "
+           "`sampler/<rollout.kv.control.statistic>`, the sampler's own before any filter", "`rollout.kv.budget=auto`"),
     Metric("kv/compress_s", "Seconds spent compressing, summed over ranks"),
     Metric("kv/peak_slots", "Most KV slots (per layer) in use at once in one engine, max over ranks"),
     Metric("kv/peak_gb", "Those slots in GiB (all layers, K and V), max over ranks"),

@@ -1,11 +1,13 @@
 """Where the update's logp_old comes from: a separate forward pass before the update, or the update's own forward.
 
-`OldLogprobs.choose(cfg, actor, loss_cfg)` returns one of two strategies with the same calls, one per step of
+`OldLogprobs.choose(cfg, actor, loss_cfg, sampled)` returns one of two strategies with the same calls, one per step of
 the trainer that depends on the choice:
   3. `compute(batch, timer)`: logp_old into the batch (the separate pass, inside `timer`), or nothing yet;
   4. `correct(batch)`: the sparse/dense correction before the update, or nothing: it then runs inside the update;
   6. `loss_fn()`: the loss closure of `Actor.update`;
   after 6, `correction_metrics()`: the step's `correction/*` and `mismatch/*` metrics.
+Either strategy hands the dense log-probs it computes of the sparse samples to `sampled` (algo/sampler_stats.py),
+the step's record of the sampler's mismatch before any filter, unless dynamic sampling's rounds did already.
 
 `SeparatePass` is the general path. `FromUpdateForward` (the single-update path) drops one forward over the whole
 batch: with one optimizer step per rollout the old policy IS the learner at the update's first forward, so the
@@ -29,6 +31,7 @@ from sparserl.actor.actor import Actor, LossFn, TrainBatch
 from sparserl.algo.aggregation import Normalizer
 from sparserl.algo.correction import correct, dist_reduce_sum, low_xi_metrics, token_decisions
 from sparserl.algo.loss import LossConfig, policy_objective
+from sparserl.algo.sampler_stats import SamplerStats
 from sparserl.config import AlgoConfig, Config
 from sparserl.trainer.loss import apply_correction, make_loss_fn
 
@@ -46,6 +49,9 @@ def fused_old_logprobs(cfg: Config) -> tuple[bool, str]:
     kl_in_loss = algo.kl.coef != 0 and algo.kl.mode == "loss"
     if not a.fuse_old_logprobs:
         return False, "actor.fuse_old_logprobs=false"
+    if a.lora.rank > 0 and a.lora.dropout > 0:
+        return False, ("adapter dropout (actor.lora.dropout) perturbs the update's forward, so its log-probs are not "
+                       "the old policy's")
     if a.updates_per_rollout != 1 or a.ppo_epochs != 1:
         return False, "several optimizer steps per rollout (actor.updates_per_rollout / actor.ppo_epochs > 1)"
     if algo.kl.coef != 0 and algo.kl.mode == "reward":
@@ -70,11 +76,11 @@ class OldLogprobs:
     description: str  # for the run's log: "old log-probs: <description>"
 
     @staticmethod
-    def choose(cfg: Config, actor: Actor, loss_cfg: LossConfig) -> OldLogprobs:
+    def choose(cfg: Config, actor: Actor, loss_cfg: LossConfig, sampled: SamplerStats | None = None) -> OldLogprobs:
         fused, why_not = fused_old_logprobs(cfg)
         if fused:
-            return FromUpdateForward(cfg.algo, loss_cfg, actor.dp_group)
-        return SeparatePass(cfg.algo, loss_cfg, actor, why_not)
+            return FromUpdateForward(cfg.algo, loss_cfg, actor.dp_group, sampled)
+        return SeparatePass(cfg.algo, loss_cfg, actor, why_not, sampled)
 
     def compute(self, batch: TrainBatch, timer: AbstractContextManager) -> None:
         """`timer`: the phase's timer (utils/timers.py), entered only around a pass that runs."""
@@ -96,8 +102,9 @@ class SeparatePass(OldLogprobs):
     """logp_old from a no-grad forward over the batch before the update; the correction then runs on it (it sets
     the batch's weights and mask), and the update's loss reads them (`make_loss_fn`)."""
 
-    def __init__(self, algo: AlgoConfig, loss_cfg: LossConfig, actor: Actor, reason: str) -> None:
-        self.algo, self.loss_cfg, self.actor = algo, loss_cfg, actor
+    def __init__(self, algo: AlgoConfig, loss_cfg: LossConfig, actor: Actor, reason: str,
+                 sampled: SamplerStats | None = None) -> None:
+        self.algo, self.loss_cfg, self.actor, self.sampled = algo, loss_cfg, actor, sampled
         self.description = f"a separate forward pass ({reason})"
         self._metrics: dict[str, float] = {}
 
@@ -106,6 +113,8 @@ class SeparatePass(OldLogprobs):
             return
         with timer:
             batch.logp_old = self.actor.logprobs(batch)
+        if self.sampled is not None:
+            self.sampled.add_batch(batch.logp_old, batch)
 
     def correct(self, batch: TrainBatch) -> torch.Tensor:
         rejected, self._metrics = apply_correction(self.algo, batch, self.actor.dp_group)
@@ -124,8 +133,8 @@ class FromUpdateForward(OldLogprobs):
 
     description = "from the update's own forward (one update per rollout)"
 
-    def __init__(self, algo: AlgoConfig, loss_cfg: LossConfig, dp_group) -> None:
-        self.algo, self.loss_cfg, self.dp_group = algo, loss_cfg, dp_group
+    def __init__(self, algo: AlgoConfig, loss_cfg: LossConfig, dp_group, sampled: SamplerStats | None = None) -> None:
+        self.algo, self.loss_cfg, self.dp_group, self.sampled = algo, loss_cfg, dp_group, sampled
         self._loss: FusedOldLogprobLoss | None = None
 
     def compute(self, batch: TrainBatch, timer: AbstractContextManager) -> None:
@@ -135,7 +144,7 @@ class FromUpdateForward(OldLogprobs):
         return None
 
     def loss_fn(self) -> LossFn:
-        self._loss = FusedOldLogprobLoss(self.algo, self.loss_cfg, self.dp_group)
+        self._loss = FusedOldLogprobLoss(self.algo, self.loss_cfg, self.dp_group, self.sampled)
         return self._loss
 
     def correction_metrics(self) -> dict[str, float]:
@@ -153,8 +162,8 @@ class FusedOldLogprobLoss:
     weights' batch mean. Losses are linear in both, so the update equals the separate-pass one up to rounding.
     """
 
-    def __init__(self, algo: AlgoConfig, loss_cfg: LossConfig, dp_group) -> None:
-        self.cfg, self.loss_cfg, self.dp_group = algo.correction, loss_cfg, dp_group
+    def __init__(self, algo: AlgoConfig, loss_cfg: LossConfig, dp_group, sampled: SamplerStats | None = None) -> None:
+        self.cfg, self.loss_cfg, self.dp_group, self.sampled = algo.correction, loss_cfg, dp_group, sampled
         self.applying = self.cfg.enable and self.cfg.mode == "apply"
         self.metrics: dict[str, float] = {}
         self._logp_old: torch.Tensor | None = None
@@ -180,8 +189,12 @@ class FusedOldLogprobLoss:
         logp_old = self._logp_old if self._logp_old is not None else torch.zeros_like(batch.mask)
         corr, self.metrics = correct(self.cfg, logp_old[index], batch.logp_sparse[index], batch.mask[index],
                                      reduce_sum=dist_reduce_sum(self.dp_group))
-        self.metrics = self.metrics | low_xi_metrics(logp_old[index], batch.logp_sparse[index], batch.mask[index],
+        # The tail over the sampler's tokens, all of them (length-cut ones too), as on the separate-pass path.
+        response = batch.response_mask if batch.response_mask is not None else batch.mask
+        self.metrics = self.metrics | low_xi_metrics(logp_old[index], batch.logp_sparse[index], response[index],
                                                      batch.advantages[index], dist_reduce_sum(self.dp_group))
+        if self.sampled is not None:
+            self.sampled.add_batch(logp_old, batch, index)
         batch.logp_old, self._logp_old = logp_old, None
         if not self.applying:
             return 1.0, {}

@@ -16,7 +16,9 @@ After the step's logp_old pass (trainer/old_logprobs.py takes the separate pass 
      has none) and `splice`s them, samples and log-prob rows, into the rejected samples' places: every group keeps
      its `rollout.n` samples, in order.
 The trainer then runs the correction once, on the final batch: its `correction/*` metrics describe what the update
-trains on, and `rescue/rejected_before_frac` keeps the share rejected before the rescue.
+trains on, and `rescue/rejected_before_frac` keeps the share of this batch rejected before the rescue. The sparse
+sampler's own tail, before the redraws (xi ~ 1) replaced its rejected sequences, is `sampler/*`
+(algo/sampler_stats.py): the redraws' dense pass is not added to it.
 
 The redraws come from the dense policy, so their xi is 1 up to numerics and the correction keeps them; one that it
 still rejects stays rejected (one rescue per step). With `algo.dynamic_sampling` the rescue runs on the groups the
@@ -41,7 +43,7 @@ from typing import Callable
 import torch
 
 from sparserl.actor.actor import TrainBatch
-from sparserl.algo.correction import dist_reduce_sum, explain, xi_tail_metrics
+from sparserl.algo.correction import dist_reduce_sum, explain
 from sparserl.algo.correction_config import CorrectionConfig
 from sparserl.config import AlgoConfig
 from sparserl.rollout.episode import Sample
@@ -148,10 +150,6 @@ class Rescue:
             [len(redraws), int(rejected.sum()), scored, len(samples)], dtype=torch.float64, device=self.device)).tolist()
         metrics = {"rescue/seqs": count, "rescue/frac": count / max(size, 1),
                    "rescue/rejected_before_frac": n_rejected / max(seqs, 1)}
-        # The sparse sampler's own mismatch tail, before redraws (xi ~ 1) replace the rejected sequences: what
-        # rollout.kv.budget=auto must see.
-        tail = xi_tail_metrics(batch.logp_old, batch.logp_sparse, batch.mask, reduce)
-        metrics["rescue/before_xi_p01"], metrics["rescue/before_xi_p05"] = tail["mismatch/xi_p01"], tail["mismatch/xi_p05"]
         if count == 0:
             return Rescued(samples, batch, metrics)
         with timer:

@@ -43,13 +43,14 @@ def to_train_batch(samples: list[Sample], device, mask_overlong: bool = False,
     """The batch with the sampler's log-probs; advantages unset. `mask_overlong`: `algo.overlong.mask` (see the
     module docstring). `logp_old`: each sample's dense log-probs (response length) where they are known already."""
     T = max([1] + [len(s.response_ids) for s in samples])
-    mask = pad([s.loss_mask for s in samples], T, device)
+    response_mask = mask = pad([s.loss_mask for s in samples], T, device)
     if mask_overlong:
         mask = mask_truncated(mask, torch.tensor([cut_by_length(s) for s in samples], dtype=torch.bool, device=device))
     return TrainBatch(
         ids=[s.prompt_ids + s.response_ids for s in samples],
         prompt_lens=[len(s.prompt_ids) for s in samples],
         mask=mask,
+        response_mask=response_mask,
         advantages=torch.zeros(len(samples), device=device),
         logp_sparse=pad([s.logp_sparse for s in samples], T, device),
         logp_old=None if logp_old is None else pad_rows(logp_old, T, device),

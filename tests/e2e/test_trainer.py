@@ -147,7 +147,7 @@ def test_bad_input_one_line_nonzero_exit_nothing_written(tiny_checkpoint, task, 
 
 def test_auto_kv_budget_follows_the_tail_and_resumes(tiny_checkpoint, task, tmp_path):
     """rollout.kv.budget=auto: each step's kv/budget is what the controller's rule gives from the previous steps'
-    logged mismatch/xi_p05, and a resumed run continues with the saved controller state (bitwise the same step 3)."""
+    logged sampler/xi_p05, and a resumed run continues with the saved controller state (bitwise the same step 3)."""
     from sparserl.kv.budget_control import BudgetControlConfig, BudgetController
 
     data, env = task
@@ -162,7 +162,7 @@ def test_auto_kv_budget_follows_the_tail_and_resumes(tiny_checkpoint, task, tmp_
     ctrl = BudgetController(BudgetControlConfig(**control))
     for m in metrics:
         assert m["kv/budget"] == ctrl.budget and m["kv/compressions"] > 0
-        ctrl.update(m["mismatch/xi_p05"])
+        ctrl.update(m["sampler/xi_p05"])
     assert len({m["kv/budget"] for m in metrics}) > 1, "the budget never moved: pick a target the tiny model crosses"
     res = trainer(tiny_args(tiny_checkpoint, data, env, cut, steps=3, **kv, **{"trainer.stop_after": 2}))
     assert res.returncode == 0, res.stderr[-3000:]

@@ -99,3 +99,38 @@ def test_both_trainer_paths_log_it_on_the_response_mask(enable):
         assert m["mismatch/low_xi_pos_adv_frac"] == pytest.approx(3 / 7)
         assert m["mismatch/low_xi_frac"] == pytest.approx(5 / 14)
     assert math.isfinite(loss_fn.metrics["mismatch/kl"])
+
+
+def test_the_tail_covers_every_sampled_token_on_every_path_with_overlong_masking():
+    """With `algo.overlong.mask`, a length-cut sample leaves the loss but not the sampler's tail: the separate pass
+    (set_advantages), the single-update path (FusedOldLogprobLoss.finalize) and the sampler's record
+    (SamplerStats) count the same tokens, all of them."""
+    from sparserl.algo.sampler_stats import SamplerStats
+    from sparserl.trainer.train_batch import to_train_batch
+
+    xi = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.2, 0.3, 0.4, 0.25], [1.0, 1.0, 0.9, 1.0], [1.0, 1.1, 1.0, 1.0]])
+    samples = [Sample(group=0, prompt_ids=[1, 2], response_ids=[3, 4, 5, 6], loss_mask=[1, 1, 1, 1],
+                      logp_sparse=[0.0] * 4, reward=float(i % 2), finish_reason="length" if i == 1 else "stop")
+               for i in range(4)]  # sample 1, cut by the length cap, carries the low tail
+    algo = AlgoConfig()
+    algo.overlong.mask = True
+    loss_cfg = LossConfig()
+    separate = to_train_batch(samples, "cpu", mask_overlong=True)
+    assert separate.mask[1].sum() == 0 and separate.response_mask[1].sum() == 4
+    separate.logp_old = xi.log()
+    m_sep = set_advantages(algo, separate, samples, 4, torch.zeros(4, dtype=torch.bool), loss_cfg)
+
+    fused = to_train_batch(samples, "cpu", mask_overlong=True)
+    set_advantages(algo, fused, samples, 4, None, loss_cfg)
+    sampled = SamplerStats(algo.correction)
+    loss_fn = FusedOldLogprobLoss(algo, loss_cfg, None, sampled)
+    loss_fn._logp_old = xi.log()  # what the update's forward would have recorded
+    loss_fn.finalize(fused, [0, 1, 2, 3], Normalizer(tokens=12.0, seqs=3.0))
+    m_sampler = sampled.metrics(lambda t: t, "cpu")
+
+    want = low_xi_metrics(xi.log(), torch.zeros_like(xi), torch.ones_like(xi), torch.zeros(4))  # all 16 tokens
+    assert want["mismatch/xi_p05"] < 0.3  # the cut sample's tokens are the tail
+    for name in ("mismatch/xi_p05", "mismatch/xi_p01"):
+        assert m_sep[name] == loss_fn.metrics[name] == want[name], name
+        assert m_sampler[name.replace("mismatch/", "sampler/")] == want[name], name
+    assert m_sampler["sampler/tokens"] == 16 and m_sampler["sampler/seqs"] == 4
