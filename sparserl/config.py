@@ -247,7 +247,8 @@ class TrainerConfig:
     total_steps: int = opt(30, "training steps (one rollout each)")
     prompts_per_step: int = opt(16, "global, across data-parallel ranks")
     output_dir: str = opt("outputs/grpo", "config.yaml, metrics.jsonl, checkpoints/, hf/")
-    save_every: int = opt(0, "0 = only at the end")
+    save_every: int = opt(10, "checkpoint every this many steps (and at the end, and when preempted): a crash "
+                              "loses at most this many; 0 = only at the end")
     resume: str = opt("none", "none | auto | <checkpoint folder>")
     seed: int = opt(0, "seeds sampling and prompt shuffling")
     export_hf: bool = opt(True, "write the final policy to output_dir/hf")
@@ -256,7 +257,8 @@ class TrainerConfig:
                              "end; 0 = off")
     log_samples: int = opt(4, "sequences per step written token by token to samples/step_N.jsonl (and wandb); 0 = "
                               "off")
-    keep_last: int = opt(0, "complete checkpoints kept (older ones removed after each save); 0 = all")
+    keep_last: int = opt(3, "complete checkpoints kept (older ones removed after each save, the newest "
+                            "included); 0 = all")
     max_skipped_steps: int = opt(3, "stop after this many optimizer steps in a row skipped for a non-finite loss / "
                                     "grad norm")
     preempt_signals: list[str] = opt(["SIGTERM", "SIGUSR1"], "Signals that end the run gracefully: finish the "

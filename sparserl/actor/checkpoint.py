@@ -1,7 +1,9 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP): crash-safe saves, safe loads, elastic resume.
 
 Layout: `output_dir/checkpoints/step_<N>/` holds the DCP shards of model + optimizer, `trainer_state.pt` (the
-step, LR scheduler and data position: the same on every rank, written by rank 0) and `COMPLETE`.
+step, LR scheduler and data position, and the settings a resume checks or keeps (trainer/resume.py): the same on
+every rank, written by rank 0) and `COMPLETE`. By default the trainer saves every 10 steps and keeps the newest 3
+(`trainer.save_every`, `trainer.keep_last`).
 
 Crash safety. A save goes to `checkpoints/.step_<N>.tmp/`; once every rank has written and `COMPLETE` is in
 it, rank 0 renames it into place. A re-save of an existing step first renames the old folder aside, so a

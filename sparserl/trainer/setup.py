@@ -3,7 +3,8 @@
 Order matters: config, output folder, env file, data rows, eval sets and model path are checked first
 (`preflight.py`: clear one-line errors, no output folder yet); then processes, the tokenizer (whose chat
 template may still reject a row), the actor, the engine (built by sparserl/launch/engines.py from its own options)
-and the logger come up.
+and the logger come up. A resumed run first checks the checkpoint's recorded settings against its own and takes its
+resolved precision (trainer/resume.py), before `auto` would be probed again.
 The eval sets of `trainer.eval_every` are read and checked with the training data (sparserl/eval/).
 The KL reference of a LoRA actor is the actor with its adapters off (`build_reference`); a frozen actor built with
 `trainable=False` is always the plain base model, LoRA or not.
@@ -25,6 +26,7 @@ from sparserl.parallel import DistInfo, ParallelDims, init_distributed
 from sparserl.launch.precision import resolve_precision
 from sparserl.trainer.loss import zero_advantage_no_grad
 from sparserl.trainer.preflight import Inputs, validate_inputs
+from sparserl.trainer.resume import apply_saved_settings, record as resume_record, restore_skips
 from sparserl.utils.errors import UserError, one_line
 from sparserl.utils.logging import MetricsLogger, log0
 
@@ -152,6 +154,7 @@ def start_processes(cfg: Config) -> tuple[DistInfo, ParallelDims, object]:
     dims = ParallelDims.from_world(info.world_size, cfg.parallel.tp, cfg.parallel.cp)
     if cfg.trainer.prompts_per_step % dims.dp:
         raise UserError(f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} must be divisible by the data-parallel size {dims.dp}")
+    apply_saved_settings(cfg)  # trainer.resume: settings that cannot change are checked, `auto` precision restored
     resolve_precision(cfg, info.device)
     log0(f"processes: {info.world_size} on {info.device.type} ({info.backend}); dp {dims.dp} x tp {dims.tp} x cp {dims.cp}")
     return info, dims, dims.build_mesh(info.device.type)
@@ -178,4 +181,4 @@ def open_output(cfg: Config, rank: int, tokenizer_loaded) -> MetricsLogger:
 
 
 __all__ = ["Inputs", "validate_inputs", "TaskEnv", "task_env", "format_prompts", "build_actor", "build_reference", "start_processes",
-           "prompt_sampler", "open_output", "load_tokenizer", "filter_long_prompts"]
+           "prompt_sampler", "open_output", "load_tokenizer", "filter_long_prompts", "resume_record", "restore_skips"]
