@@ -1,7 +1,8 @@
 """The features that meet, in one run of the default model: dynamic sampling, `+preset=sparse_rl` (R-KV rollouts and
-the correction), `rollout.kv.budget=auto`, the dense rescue, `algo.overlong.mask=true` and a LoRA actor, on 2
-processes for 3 steps with budgets that make the engine compress. Then the same run stopped after step 2 and
-resumed, which must log the same step 3 and end with the same weights, bitwise.
+the correction, with a veto at xi < 0.02 so that some sequences are rejected), `rollout.kv.budget=auto`, the dense
+rescue, `algo.overlong.mask=true` and a LoRA actor, on 2 processes for 3 steps with budgets that make the engine
+compress. Then the same run stopped after step 2 and resumed, which must log the same step 3 and end with the same
+weights, bitwise.
 
     python scripts/features_together.py [OUT] [key=value ...]   # OUT default: outputs/features_together
 
@@ -23,7 +24,8 @@ TIMING = ("perf/", "mem/", "kv/compress_s")
 ARGS = {
     "+preset": "sparse_rl", "trainer.total_steps": 3, "trainer.prompts_per_step": 8, "rollout.n": 4,
     "rollout.max_new_tokens": 64, "rollout.kv.budget": "auto", "rollout.kv.divide_length": 8,
-    "rollout.kv.control.floor": 24, "rollout.kv.control.ceiling": 48, "rollout.kv.control.align": 4,
+    "rollout.kv.control.floor": 24, "rollout.kv.control.ceiling": 64, "rollout.kv.control.align": 4,
+    "algo.correction.veto": 0.02,  # the preset vetoes at 1e-4: here some sequences are rejected and rescued
     "algo.dynamic_sampling.enable": "true", "algo.dynamic_sampling.max_rounds": 2,
     "algo.correction.rescue": "dense", "algo.overlong.mask": "true",
     "actor.lora.rank": 8, "actor.lora.alpha": 16, "actor.lr": 1e-4, "trainer.save_every": 1,
