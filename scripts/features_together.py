@@ -1,5 +1,5 @@
 """The features that meet, in one run of the default model: dynamic sampling, `+preset=sparse_rl` (R-KV rollouts and
-the correction, with a veto at xi < 0.02 so that some sequences are rejected), `rollout.kv.budget=auto`, the dense
+the correction, with a veto at xi < 0.3 so that some sequences are rejected), `rollout.kv.budget=auto`, the dense
 rescue, `algo.overlong.mask=true` and a LoRA actor, on 2 processes for 3 steps with budgets that make the engine
 compress. Then the same run stopped after step 2 and resumed, which must log the same step 3 and end with the same
 weights, bitwise.
@@ -25,7 +25,7 @@ ARGS = {
     "+preset": "sparse_rl", "trainer.total_steps": 3, "trainer.prompts_per_step": 8, "rollout.n": 4,
     "rollout.max_new_tokens": 64, "rollout.kv.budget": "auto", "rollout.kv.divide_length": 8,
     "rollout.kv.control.floor": 24, "rollout.kv.control.ceiling": 64, "rollout.kv.control.align": 4,
-    "algo.correction.veto": 0.02,  # the preset vetoes at 1e-4: here some sequences are rejected and rescued
+    "algo.correction.veto": 0.3,  # the preset vetoes at 1e-4: here some sequences are rejected and rescued
     "algo.dynamic_sampling.enable": "true", "algo.dynamic_sampling.max_rounds": 2,
     "algo.correction.rescue": "dense", "algo.overlong.mask": "true",
     "actor.lora.rank": 8, "actor.lora.alpha": 16, "actor.lr": 1e-4, "trainer.save_every": 1,
