@@ -109,7 +109,9 @@ def test_a_caller_with_stdin_closed_gives_its_ranks_an_empty_one(tmp_path, monke
     """Through the server, a closed stdin must not be replaced by the client's socket (the first free number)."""
     monkeypatch.setenv("SPARSERL_TEST_FORK_SERVER", "1")
     script = tmp_path / "reader.py"
-    script.write_text("import sys\nprint('read', repr(sys.stdin.read()))\n")
+    # One write per rank (atomic on a pipe): the two ranks share the caller's stdout, and a print() of two arguments
+    # may reach it in two writes that the other rank's interleave.
+    script.write_text("import os, sys\nos.write(1, f'read {sys.stdin.read()!r}\\n'.encode())\n")
     cmd = " ".join(command(2, script))
     res = subprocess.run(f"exec 0<&-; {cmd}", shell=True, executable="/bin/bash", capture_output=True, text=True,
                          timeout=120)
