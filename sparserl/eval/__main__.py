@@ -1,9 +1,11 @@
 """`python -m sparserl.eval key=value ...` (or `torchrun --nproc_per_node=N -m sparserl.eval ...`): evaluate a
 model on eval sets with the rollout engine, dense or with `rollout.kv.*` compression.
 
-Reads `configs/eval.yaml` over the same schema as training; checks every input (sets, keys, k <= n, model
-path, KV settings) before anything is written; shards prompts over the processes; rank 0 writes
-`eval.output_dir/eval.json` and `samples.jsonl` and prints the table.
+Reads `configs/eval.yaml` over the same schema as training; a training run's folder (or its `hf/` or a checkpoint)
+is evaluated with the run's length cap and KV settings unless the command line sets them (eval/run_settings.py,
+which prints what it took); checks every input (sets, keys, k <= n, model path, KV settings) before anything is
+written; shards prompts over the processes; rank 0 writes `eval.output_dir/eval.json` and `samples.jsonl` and
+prints the table.
 Left out on purpose: serving the model over HTTP, comparing several models in one call (run it per model).
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ from sparserl.eval.datasets import load_eval_sets
 from sparserl.eval.model import resolve_eval_model
 from sparserl.eval.report import format_table, settings, write_outputs
 from sparserl.eval.run import evaluate, format_prompts
+from sparserl.eval.run_settings import take_run_settings
 from sparserl.parallel import ParallelDims, init_distributed
 from sparserl.actor.hf import load_tokenizer
 from sparserl.launch.checks import check_engine
@@ -32,7 +35,11 @@ def pool_slots(cfg: Config, lengths: list[int], seqs_per_rank: int) -> int:
     return max(1, min(seqs_per_rank, cfg.rollout.max_num_seqs)) * (max(lengths) + cfg.eval.max_new_tokens)
 
 
-def run(cfg: Config) -> None:
+def run(cfg: Config, argv: list[str] | None = None) -> None:
+    """`argv`: the command line `cfg` was loaded from; the keys it sets keep their values over a run's."""
+    cfg, taken = take_run_settings(cfg, list(sys.argv[1:] if argv is None else argv))
+    for line in taken:
+        log0(line)
     sets = load_eval_sets(cfg.eval)  # user errors surface here, before anything is written
     model = resolve_eval_model(cfg.model.path)
     check_engine(cfg)
@@ -62,9 +69,10 @@ def run(cfg: Config) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     def go() -> None:
-        cfg = parse_cli(list(sys.argv[1:] if argv is None else argv), "eval")
+        args = list(sys.argv[1:] if argv is None else argv)
+        cfg = parse_cli(args, "eval")
         if cfg is not None:  # None: --help or --cfg job was answered
-            run(cfg)
+            run(cfg, args)
 
     run_main(go)
 
