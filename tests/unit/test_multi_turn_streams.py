@@ -56,12 +56,7 @@ class _Env:
         return _Driver()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.unit.test_worker import one_thread  # noqa: E402,F401 - the same autouse fixture: one OpenMP thread
 
 
 def _record_draws(monkeypatch) -> list[tuple[tuple[int, ...], int, int, int]]:

@@ -377,9 +377,7 @@ def test_two_servers_in_one_process_stream_in_their_own_loops(server, tokenizer)
 
     wait_briefly()
     wait_briefly()  # a second loop: "bound to a different event loop" without the per-loop events
-    # The SDK caches an env class's task list behind one asyncio.Lock per class and split, which two servers of the
-    # same class in one process (two loops) cannot share while the cache is cold: warm it first, as the earlier tests
-    # of this module do when they run before this one.
+    # The SDK's class-level task-cache lock cannot serve two loops while cold: warm it, as this module's other tests do.
     for split in CalcArithmetic._list_splits_cached():
         asyncio.run(CalcArithmetic._list_tasks_cached(getattr(split, "name", split)))
     second = ThreadServer([CalcArithmetic])
