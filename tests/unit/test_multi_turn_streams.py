@@ -10,7 +10,6 @@ engine's draw sees (`engines.draw.sample`: the rows' seeds and positions) and wh
 from __future__ import annotations
 
 import pytest
-import torch
 
 import sparserl.engines.native.sampler as sampler_module
 from sparserl.data.dataset import PromptRow
