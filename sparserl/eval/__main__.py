@@ -21,9 +21,9 @@ from sparserl.eval.run import evaluate, format_prompts
 from sparserl.eval.run_settings import take_run_settings
 from sparserl.parallel import ParallelDims, init_distributed
 from sparserl.actor.hf import load_tokenizer
-from sparserl.launch.checks import check_engine
-from sparserl.launch.engines import build_rollout_engine
-from sparserl.launch.precision import resolve_precision
+from sparserl.engine_options.checks import check_engine
+from sparserl.engine_options.build import build_rollout_engine
+from sparserl.utils.precision import resolve_precision
 from sparserl.utils.errors import run_main
 from sparserl.utils.logging import log0
 

@@ -54,7 +54,7 @@ def train(cfg: Config) -> None:
     from sparserl.eval.hook import TrainEval
     from sparserl.engines.weight_sync import sync_weights
     from sparserl.rollout.worker import rollout
-    from sparserl.launch.engines import build_rollout_engine, pool_slots, sampling_params
+    from sparserl.engine_options.build import build_rollout_engine, pool_slots, sampling_params
     from sparserl.algo.correction import dist_reduce_sum
     from sparserl.algo.sampler_stats import SamplerStats
     from sparserl.kv.budget_control import BudgetController, tail_key, tail_of

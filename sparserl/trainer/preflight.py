@@ -26,7 +26,7 @@ from typing import Any
 from sparserl.config import Config
 from sparserl.data.dataset import PromptRow, load_prompts, rows_from_records
 from sparserl.eval.datasets import EvalSet, load_eval_sets
-from sparserl.launch.checks import check_engine
+from sparserl.engine_options.checks import check_engine
 from sparserl.utils.envload import EnvModule, load_env
 from sparserl.utils.errors import UserError
 

@@ -5,7 +5,7 @@
   - `FIXED`: the LoRA adapter's rank, alpha, dropout and target modules. Another value would silently change what
     the saved adapters mean (alpha rescales B @ A; other targets drop or add adapters), so a resume that gives one
     is refused with one line naming the key, the saved value and the given one.
-  - `RESOLVED`: model.compute_dtype and rollout.dtype. `auto` is settled by a timing probe (launch/precision.py)
+  - `RESOLVED`: model.compute_dtype and rollout.dtype. `auto` is settled by a timing probe (utils/precision.py)
     that a resumed run, on another machine or a busier one, may answer otherwise; a resume that leaves them at
     `auto` continues with the saved run's dtype. An explicit value wins, and the log says it differs.
   - `consecutive_skips` carries on, so `trainer.max_skipped_steps` counts skipped steps across a resume.

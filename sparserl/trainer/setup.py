@@ -2,7 +2,7 @@
 
 Order matters: config, output folder, env file, data rows, eval sets and model path are checked first
 (`preflight.py`: clear one-line errors, no output folder yet); then processes, the tokenizer (whose chat
-template may still reject a row), the actor, the engine (built by sparserl/launch/engines.py from its own options)
+template may still reject a row), the actor, the engine (built by sparserl/engine_options/build.py from its own options)
 and the logger come up. A resumed run first checks the checkpoint's recorded settings against its own and takes its
 resolved precision (trainer/resume.py), before `auto` would be probed again.
 The eval sets of `trainer.eval_every` are read and checked with the training data (sparserl/eval/).
@@ -23,7 +23,7 @@ from sparserl.config import Config, to_dict, to_yaml
 from sparserl.data.dataset import PromptRow, format_prompt
 from sparserl.data.prompt_sampler import MixtureSampler, PromptSampler
 from sparserl.parallel import DistInfo, ParallelDims, init_distributed
-from sparserl.launch.precision import resolve_precision
+from sparserl.utils.precision import resolve_precision
 from sparserl.trainer.loss import zero_advantage_no_grad
 from sparserl.trainer.preflight import Inputs, validate_inputs
 from sparserl.trainer.resume import apply_saved_settings, record as resume_record, restore_skips

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sparserl.utils.logging import log0
+
 BF16_MIN_SPEEDUP = 0.8  # bf16 must run the probe at least this fast relative to fp32 (1.0 = equal)
 _PROBE_SHAPE = (256, 576, 1536)  # tokens x hidden x intermediate: a 135M-class MLP matmul
 
@@ -122,6 +124,22 @@ def cpu_threads(local_world_size: int | None = None) -> int:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return max(1, cores // max(1, local))
+
+
+def resolve_precision(cfg, device: torch.device) -> None:
+    """The run's config (`cfg.model.compute_dtype`, `cfg.rollout.dtype`) with `auto` replaced by what this hardware
+    runs fast (the same on every rank), the CPU thread count set, and both said once. Both entry points call it
+    (training's setup and `python -m sparserl.eval`) before the config is written."""
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads())
+    keys = [k for k, v in (("model.compute_dtype", cfg.model.compute_dtype), ("rollout.dtype", cfg.rollout.dtype)) if v == "auto"]
+    if keys:
+        choice = agree(choose_auto(device))
+        cfg.model.compute_dtype = resolve(cfg.model.compute_dtype, choice)
+        cfg.rollout.dtype = resolve(cfg.rollout.dtype, choice)
+        log0(f"precision: {', '.join(keys)}=auto -> {choice.dtype}: {choice.reason}")
+    if device.type == "cpu":
+        log0(f"cpu threads per process: {torch.get_num_threads()}")
 
 
 def resolve_arg(value: str, device: torch.device | str | None = None) -> str:

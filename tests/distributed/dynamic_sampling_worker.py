@@ -14,7 +14,7 @@ import torch
 
 from sparserl.cli import parse_cli
 from sparserl.data.prompt_sampler import PromptSampler
-from sparserl.launch.engines import build_rollout_engine, sampling_params
+from sparserl.engine_options.build import build_rollout_engine, sampling_params
 from sparserl.rollout.worker import rollout
 from sparserl.trainer import setup as S
 from sparserl.trainer.dynamic_sampling import DynamicSampling, Round, round_seed

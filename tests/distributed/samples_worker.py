@@ -18,7 +18,7 @@ import sparserl.trainer.loss as L
 import sparserl.trainer.old_logprobs as O
 from sparserl.cli import parse_cli
 from sparserl.rollout.worker import rollout
-from sparserl.launch.engines import build_rollout_engine, sampling_params
+from sparserl.engine_options.build import build_rollout_engine, sampling_params
 from sparserl.trainer import setup as S
 from sparserl.trainer.advantages import set_advantages
 from sparserl.trainer.balance import balance_ranks

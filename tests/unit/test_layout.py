@@ -18,8 +18,8 @@ PKG = ROOT / "sparserl"
 # (importer prefix, forbidden prefixes): `sparserl.engines` matches the package and its submodules only.
 RULES = [
     ("sparserl.engines", ("sparserl.actor", "sparserl.trainer", "sparserl.config", "sparserl.config_checks",
-                          "sparserl.launch", "sparserl.rollout", "sparserl.eval")),
-    ("sparserl.actor", ("sparserl.engines", "sparserl.rollout", "sparserl.trainer", "sparserl.launch")),
+                          "sparserl.engine_options", "sparserl.rollout", "sparserl.eval")),
+    ("sparserl.actor", ("sparserl.engines", "sparserl.rollout", "sparserl.trainer", "sparserl.engine_options")),
     ("sparserl.model", ("sparserl.actor", "sparserl.engines", "sparserl.rollout", "sparserl.trainer", "sparserl.config")),
     ("sparserl.kv", ("sparserl.actor", "sparserl.engines", "sparserl.rollout", "sparserl.trainer", "sparserl.config")),
     ("sparserl.algo", ("sparserl.actor", "sparserl.engines", "sparserl.rollout", "sparserl.trainer", "sparserl.config")),

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sparserl.config_load import load_config
-from sparserl.launch.precision import resolve_precision
+from sparserl.utils.precision import resolve_precision
 from sparserl.utils import precision
 
 

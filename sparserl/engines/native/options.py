@@ -1,6 +1,6 @@
 """What the native engine is started with: `NativeOptions`.
 
-The trainer's setup (sparserl/launch/engines.py) maps the run's `rollout.*` keys onto these fields; library users
+The trainer's setup (sparserl/engine_options/build.py) maps the run's `rollout.*` keys onto these fields; library users
 build them directly, or pass the fields as keywords to `NativeEngine`. Left out on purpose: the device and the dtype
 (those of the model the engine is given) and the seed (`NativeEngine(seed=...)`, then `set_seed` per step).
 """

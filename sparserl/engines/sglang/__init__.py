@@ -9,7 +9,7 @@
   onto SGLang's pool) and `kv_records.py` (what the engine reads back) are pure torch / Python.
 
 This package's `__init__` does not import sglang: `check_available` runs in the input validation of training and
-evaluation (sparserl/launch/checks.py), before anything is written, also where sglang is absent.
+evaluation (sparserl/engine_options/checks.py), before anything is written, also where sglang is absent.
 """
 from __future__ import annotations
 

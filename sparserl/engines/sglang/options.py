@@ -1,4 +1,4 @@
-"""What the in-process SGLang engine is started with: `SGLangOptions` (the trainer's setup, sparserl/launch/engines.py,
+"""What the in-process SGLang engine is started with: `SGLangOptions` (the trainer's setup, sparserl/engine_options/build.py,
 maps the run's config onto them) and the SGLang server arguments they stand for."""
 from __future__ import annotations
 
