@@ -168,7 +168,7 @@ async def rollout_async(
         raise ValueError(f"{len(rows)} rows but {len(prompt_texts)} prompt texts")
     if seed_indices is not None and len(seed_indices) != len(rows):
         raise ValueError(f"{len(rows)} rows but {len(seed_indices)} seed indices")
-    max_turns = max_turns or getattr(env, "max_turns", None) or 1
+    max_turns = getattr(env, "max_turns", None) or max_turns or 1  # an env module's own max_turns wins (env.max_turns' help)
     calls = EnvCalls(step_timeout_s, max_concurrency)
     driver: EnvDriver = env.driver(tokenizer, calls) if callable(getattr(env, "driver", None)) else ModuleDriver(env, tokenizer, calls)
     lives: list[_Live] = []
