@@ -2,7 +2,7 @@
 
 `ParallelDims(dp, tp, cp)` validates the layout and owns the `("dp", "cp", "tp")` DeviceMesh (with `"dp_cp"`, the
 flattened dp x cp mesh FSDP2 shards over, when cp > 1) and the gloo side groups over which the first rank of each
-data-parallel rank's cp x tp ranks hands its rollouts to the others (`TPShare`). `init_distributed`
+data-parallel rank's cp x tp ranks hands its rollouts to the others (`ReplicaGroup`). `init_distributed`
 works under torchrun (any number of nodes) and as a plain `python` process (a world of one), picking gloo on
 CPU and nccl on CUDA. Context parallelism (cp) splits each packed micro-batch along the sequence
 (actor/context_parallel.py, docs/context_parallel.md). Left out on purpose: pipeline and expert parallelism.
@@ -53,20 +53,20 @@ class ParallelDims:
             mesh["dp", "cp"]._flatten("dp_cp")
         return mesh
 
-    def tp_share(self, rank: int) -> "TPShare":
-        """This rank's `TPShare`: the cp x tp ranks of its DP rank, which train on the same samples. Builds a gloo
+    def replica_group(self, rank: int) -> "ReplicaGroup":
+        """This rank's `ReplicaGroup`: the cp x tp ranks of its DP rank, which train on the same samples. Builds a gloo
         side group per DP rank: every rank must call it, once, at the same point (each `new_group` is a collective
         over the world, called for all groups in one order)."""
         size = self.cp * self.tp  # the mesh is (dp, cp, tp), row-major: one DP rank's ranks are consecutive
         owner = rank - rank % size
         if size == 1:
-            return TPShare(rank, owner, None)
+            return ReplicaGroup(rank, owner, None)
         mine = None
         for first in range(0, self.dp * size, size):
             group = dist.new_group(list(range(first, first + size)), backend="gloo", timeout=SHARE_TIMEOUT)
             if first == owner:
                 mine = group
-        return TPShare(rank, owner, mine)
+        return ReplicaGroup(rank, owner, mine)
 
 
 def cp_size(mesh) -> int:
@@ -80,13 +80,13 @@ def fsdp_mesh(mesh):
     return mesh["dp_cp"] if cp_size(mesh) > 1 else mesh["dp"]
 
 
-# A peer waits in `TPShare.from_owner` for as long as the owner's rollout takes, which can be hours; a crashed
+# A peer waits in `ReplicaGroup.from_owner` for as long as the owner's rollout takes, which can be hours; a crashed
 # owner still ends the job, through torchrun.
 SHARE_TIMEOUT = datetime.timedelta(hours=24)
 
 
 @dataclass
-class TPShare:
+class ReplicaGroup:
     """One DP rank's one source of rollouts: of its cp x tp ranks (a tensor-parallel group, or several with context
     parallelism), the owner (first rank) runs the engine and the env loop, its peers receive the owner's results,
     so every rank of the group trains on the same samples even where

@@ -1,5 +1,5 @@
 """The trainer with rollout.engine=sglang and parallel.tp=2 on 2 processes: one SGLang engine (tp_size 2, started
-by rank 0) serves the TP group; rank 0 runs the env loop and hands its samples to rank 1 (parallel.TPShare).
+by rank 0) serves the TP group; rank 0 runs the env loop and hands its samples to rank 1 (parallel.ReplicaGroup).
 
 The env module of tests/e2e/test_tp_rollout.py pays other rewards on odd ranks and logs its calls per rank:
 only rank 0 may call it, in training and in the evaluation during training. The fp32 actor's TP recompute of

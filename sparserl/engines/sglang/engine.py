@@ -2,7 +2,7 @@
 
 One `sglang.Engine` per tensor-parallel group, started by the group's first rank with `tp_size=parallel.tp`;
 the group's other ranks take part in weight sync (they gather like everyone, then drop the tensors) and do not
-generate: the trainer hands them the owner's finished samples over a gloo side group (parallel.TPShare).
+generate: the trainer hands them the owner's finished samples over a gloo side group (parallel.ReplicaGroup).
 Data-parallel groups each own an engine.
 
 - `generate` expands each request into its `n` samples, each with its own seed (engine seed, request index,
@@ -192,7 +192,7 @@ class SGLangEngine:
         if self._engine is None:
             raise RuntimeError(f"rank {self.group.rank} is a tensor-parallel peer of rank {self.group.owner}, whose "
                                "SGLang engine serves the group: the owner runs the rollout and hands its samples to "
-                               "the peers (sparserl.parallel.TPShare); a peer does not generate")
+                               "the peers (sparserl.parallel.ReplicaGroup); a peer does not generate")
         samples = self._expand(requests)
         t0 = time.perf_counter()
         outputs = self._thread.submit(self._engine.loop.run_until_complete, self._generate_all(samples, progress)).result()

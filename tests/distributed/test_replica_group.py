@@ -1,4 +1,4 @@
-"""`ParallelDims.tp_share`: each tensor-parallel group's owner (with cp > 1: each DP rank's first rank) hands objects
+"""`ParallelDims.replica_group`: each tensor-parallel group's owner (with cp > 1: each DP rank's first rank) hands objects
 to its own peers, over gloo.
 
 Four real processes (gloo) in the (dp, tp) = (2, 2) layout and in (4, 1): the side groups are the TP groups
@@ -19,7 +19,7 @@ def _worker(rank: int, world: int, tp: int, init: str, out: str, cp: int = 1) ->
     try:
         dims = ParallelDims.from_world(world, tp, cp)
         mesh = dims.build_mesh("cpu")
-        share = dims.tp_share(rank)
+        share = dims.replica_group(rank)
         seen = []
         for call in range(3):
             # Only the owner's object is real; a peer passes its own, which must be ignored.
