@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sparserl.cli import sections  # noqa: E402
-from sparserl.config import CONFIG_DIR, Config, base_configs
-from sparserl.config_load import load_config  # noqa: E402
-from sparserl.config_checks import show  # noqa: E402
+from sparserl.config import CONFIG_DIR, Config, base_configs  # noqa: E402
+from sparserl.config.load import load_config  # noqa: E402
+from sparserl.config.fields import show  # noqa: E402
 from sparserl.trainer import metric_names as M  # noqa: E402
 
 CONFIG_PAGE = "docs/config.md"

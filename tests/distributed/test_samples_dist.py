@@ -1,6 +1,6 @@
 """Logged samples with 2 processes: `balance_ranks` trains some of rank 0's rows on rank 1, whose logp_old comes
 back to rank 0, and the records still match what the loss received there (sparserl/trainer/samples.py)."""
-from tests.unit.test_samples_log import check_records_match_loss, run_step
+from tests.process.test_samples_run import check_records_match_loss, run_step
 
 
 def test_records_of_rows_trained_on_another_rank(tiny_checkpoint, tmp_path):

@@ -7,7 +7,7 @@ import torch
 
 from sparserl.engines.draw import RowSettings, sample
 from sparserl.engines.native.engine import NativeEngine
-from sparserl.engines.types import GenerationRequest, SamplingParams
+from sparserl.engines.types import SamplingParams
 from sparserl.kv import KVPolicyConfig
 from sparserl.model.sampling import processed_logprobs
 from tests.conftest import tiny_model

@@ -13,7 +13,6 @@ import dataclasses
 import os
 
 import pytest
-import torch
 
 from sparserl.kv import KVPolicyConfig
 from sparserl.engines.native.engine import NativeEngine

@@ -1,14 +1,10 @@
 """The base configs: configs/gpu.yaml (the Sparse-RL paper's GPU settings) composes and passes every config check on
-a machine without a GPU, `--config-name` selects a base config on every entry point, and the paper's recipe
-scripts start from it with their variables still working (run through a stand-in `torchrun` that prints the
-resolved config instead of training). The schema holds every default (configs/grpo.yaml sets none), a renamed
-key in a YAML names its replacement, and the config dataclasses the library builds raise the command line's
-errors."""
+a machine without a GPU, and `--config-name` selects a base config on every entry point (the command line and the
+recipe scripts in fresh processes: tests/process/test_recipes.py). The schema holds every default
+(configs/grpo.yaml sets none), a renamed key in a YAML names its replacement, and the config dataclasses the
+library builds raise the command line's errors."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +13,8 @@ import yaml
 from sparserl.algo import CorrectionConfig
 from sparserl.cli import parse_cli
 from sparserl.config import base_configs
-from sparserl.config_load import load_config
-from sparserl.config_checks import ConfigError
+from sparserl.config.load import load_config
+from sparserl.config.fields import ConfigError
 from sparserl.kv import KVPolicyConfig
 from sparserl.utils.errors import UserError
 
@@ -52,17 +48,6 @@ def test_gpu_config_is_a_base_config_and_validates_without_a_gpu():
     assert head.rollout.kv.share == "head"  # SGLang with TP keeps per-head sets (each rank holds whole KV heads)
 
 
-def test_cfg_job_with_config_name_gpu():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    res = subprocess.run([sys.executable, "-m", "sparserl.trainer.grpo", "--config-name", "gpu", "--cfg", "job"],
-                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr[-3000:]
-    cfg = yaml.safe_load(res.stdout)
-    for key, value in PAPER.items():
-        assert get(cfg, key) == value, key
-
-
 @pytest.mark.parametrize("option", [["--config-name", "gpu"], ["--config-name=gpu"], ["-cn", "gpu"]])
 def test_config_name_forms(option, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
@@ -81,36 +66,6 @@ def test_unknown_config_name_names_the_base_configs():
         parse_cli(["--config-name"])
 
 
-def recipe(tmp_path: Path, script: str, **env_vars: str) -> dict:
-    """The config a recipe script would train with: a stand-in torchrun prints it."""
-    shim = tmp_path / "bin" / "torchrun"
-    shim.parent.mkdir(exist_ok=True)
-    shim.write_text(f'#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\n[ "$1" = -m ] && shift 2\n'
-                    f'exec {sys.executable} -m sparserl.trainer.grpo "$@" --cfg job\n')
-    shim.chmod(0o755)
-    env = {**os.environ, "PATH": f"{shim.parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           **env_vars}
-    env.pop("RANK", None)
-    res = subprocess.run(["bash", str(ROOT / "examples" / "recipes" / script), "actor.lr=3e-6"], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return yaml.safe_load(res.stdout)
-
-
-def test_recipes_start_from_the_gpu_config(tmp_path):
-    assert "--config-name gpu" in (ROOT / "examples" / "recipes" / "paper.sh").read_text()
-    cfg = recipe(tmp_path, "llama3.2-1b-instruct_sparse_rl.sh", MODEL_PATH="/ckpt/Llama-3.2-1B-Instruct")
-    for key, value in {**PAPER, "actor.lr": 3e-6}.items():
-        assert get(cfg, key) == value, key
-    assert cfg["model"]["path"] == "/ckpt/Llama-3.2-1B-Instruct"
-    assert cfg["data"]["train_path"] == str(ROOT / "data" / "train" / "simplelr_level3to5.jsonl")
-    assert cfg["rollout"]["kv"]["algorithm"] == "rkv" and cfg["algo"]["correction"]["normalize_over"] == "all"
-    assert cfg["trainer"]["output_dir"] == "outputs/Llama-3.2-1B-Instruct-sparse_rl"
-    cfg = recipe(tmp_path, "paper.sh", MODEL_PATH="/ckpt/M", MODE="dense", DATA="mine", DATA_DIR="/data", RUN="/runs/a")
-    assert cfg["rollout"]["kv"]["algorithm"] == "none" and not cfg["algo"]["correction"]["enable"]
-    assert cfg["data"]["train_path"] == "/data/mine.jsonl" and cfg["trainer"]["output_dir"] == "/runs/a"
-
-
 def test_the_dataclasses_hold_every_default_and_grpo_yaml_sets_none():
     """configs/grpo.yaml only names the schema: a training run's defaults are the dataclasses' (sparserl/config.py),
     so the YAML and the dataclasses cannot disagree."""
@@ -121,7 +76,7 @@ def test_the_dataclasses_hold_every_default_and_grpo_yaml_sets_none():
 
 
 def test_the_schema_has_148_leaf_keys(capsys):
-    from sparserl.config_load import leaf_keys
+    from sparserl.config.load import leaf_keys
 
     keys = leaf_keys()
     with capsys.disabled():

@@ -2,7 +2,6 @@
 import random
 
 import pytest
-import torch
 
 from sparserl.kv import KVPolicyConfig
 from sparserl.engines.native.engine import NativeEngine

@@ -4,7 +4,6 @@ Every check runs the real engine on a tiny random model; the reference is the sa
 whole history each turn (what the env loop does without sessions).
 """
 import pytest
-import torch
 
 from sparserl.kv import KVPolicyConfig
 from sparserl.engines.protocol import supports_sessions

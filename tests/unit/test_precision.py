@@ -1,13 +1,11 @@
-"""`auto` precision: the resolution rules, the ranks' agreement, the thread count, and what the trainer writes."""
+"""`auto` precision: the resolution rules, the thread count, and what the trainer writes (the ranks' agreement is
+tests/distributed/test_precision_agree.py)."""
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from sparserl.config_load import load_config
+from sparserl.config.load import load_config
 from sparserl.utils.precision import resolve_precision
 from sparserl.utils import precision
 
@@ -71,19 +69,3 @@ def test_threads(monkeypatch):
     assert precision.cpu_threads(local_world_size=2) == 3
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert precision.cpu_threads(local_world_size=1) == cores
-
-
-def _agree_worker(rank, port, out):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    mine = precision.Choice("bfloat16", "fast here") if rank == 0 else precision.Choice("float32", "slow here")
-    out[rank] = precision.agree(mine).dtype
-    dist.destroy_process_group()
-
-
-def test_ranks_agree_on_the_widest_choice():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.Manager().dict()
-    mp.spawn(_agree_worker, args=(port, out), nprocs=2)
-    assert dict(out) == {0: "float32", 1: "float32"}

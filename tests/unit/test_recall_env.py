@@ -52,10 +52,10 @@ def test_prompts_are_deterministic_by_seed_and_well_formed(recall):
 def test_prompt_size_knobs(recall):
     short = recall.make_prompts(5, seed=3, num_facts=2, filler_sentences=0)
     long = recall.make_prompts(5, seed=3, num_facts=8, filler_sentences=20)
-    for s, l in zip(short, long):
-        assert len(facts_and_question(s["prompt"][0]["content"])[0]) == 2
-        assert len(facts_and_question(l["prompt"][0]["content"])[0]) == 8
-        assert len(l["prompt"][0]["content"]) > len(s["prompt"][0]["content"]) + 500
+    for few, many in zip(short, long):
+        assert len(facts_and_question(few["prompt"][0]["content"])[0]) == 2
+        assert len(facts_and_question(many["prompt"][0]["content"])[0]) == 8
+        assert len(many["prompt"][0]["content"]) > len(few["prompt"][0]["content"]) + 500
     with pytest.raises(ValueError, match="filler_sentences"):
         recall.make_prompts(1, seed=0, filler_sentences=10_000)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sparserl.data.dataset import PromptRow, format_prompt
-from sparserl.engines.types import Generation, GenerationRequest, KVStats, SamplingParams
+from sparserl.engines.types import Generation, KVStats, SamplingParams
 from sparserl.rollout.worker import rollout
 from sparserl.utils.envload import load_env
 

@@ -1,4 +1,5 @@
-"""Answer extraction and math-verify checking, including the hard time limit."""
+"""Math-verify checking in the worker processes of `CheckPool`, including the hard time limit (the answer extraction
+is tests/unit/test_answer_extract.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from sparserl.rewards.math import CheckPool, averify_answer, extract_boxed, extract_last_integer, verify_answer
+from sparserl.rewards.math import CheckPool, averify_answer, verify_answer
 
 
 def _sleep_then(seconds: float, value):
@@ -27,27 +28,6 @@ def pool():
     p = CheckPool(max_workers=2)
     yield p
     p.close()
-
-
-def test_extract_boxed():
-    assert extract_boxed("so \\boxed{42}.") == "42"
-    assert extract_boxed("\\boxed{1} then \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
-    assert extract_boxed("x = \\boxed{\\left\\{ a^{2}, b_{c} \\right\\}} done") == "\\left\\{ a^{2}, b_{c} \\right\\}"
-    assert extract_boxed("\\fbox{7}") == "7"
-    assert extract_boxed("the answer is \\boxed 5 ok") == "5"
-    assert extract_boxed("\\boxed{3} and unbalanced \\boxed{4") == "3"
-    assert extract_boxed("no box here") is None
-    assert extract_boxed("\\boxed{}") == ""
-
-
-def test_extract_last_integer():
-    assert extract_last_integer("3 + 4 = 7") == 7
-    assert extract_last_integer("The answer is -12.") == -12
-    assert extract_last_integer("10-3 is 7, no wait 10-3") == 3
-    assert extract_last_integer("costs $1,234 total") == 1234
-    assert extract_last_integer("12.0") == 12
-    assert extract_last_integer("about 2.5") is None
-    assert extract_last_integer("nothing") is None
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparserl.config_load import RENAMED, leaf_keys
-from sparserl.config_checks import FREE, RANGES, RULES
+from sparserl.config.load import RENAMED, leaf_keys
+from sparserl.config.checks import FREE, RANGES, RULES
 from tests.launch import command
 
 ROOT = Path(__file__).resolve().parents[2]
