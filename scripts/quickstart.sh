@@ -3,6 +3,8 @@
 #
 #   bash scripts/quickstart.sh train [key=value ...]   # set up, then the default run (2 processes)
 #   bash scripts/quickstart.sh test  [pytest args ...]  # set up, then the test suite
+#   bash scripts/quickstart.sh test-fast [pytest args ...]  # set up, then the in-process tests only (a few minutes):
+#                                                           # none marked multiproc, slow, sglang or gpu (pytest.ini)
 #
 # Set-up is README.md's install section, verbatim, in .venv (VENV=... to choose another folder), with
 # python3 >= 3.10 (PYTHON=... to choose the interpreter). It is skipped when .venv already holds an install
@@ -13,8 +15,8 @@ cd "$(dirname "$0")/.."
 what=${1:-}
 [ $# -gt 0 ] && shift
 case "$what" in
-  train|test) ;;
-  *) echo "usage: bash scripts/quickstart.sh train|test [args ...]" >&2; exit 2 ;;
+  train|test|test-fast) ;;
+  *) echo "usage: bash scripts/quickstart.sh train|test|test-fast [args ...]" >&2; exit 2 ;;
 esac
 
 PYTHON=${PYTHON:-python3}
@@ -42,5 +44,8 @@ fi
 
 if [ "$what" = train ]; then
   exec torchrun --standalone --nproc_per_node="${NPROC:-2}" -m sparserl.trainer.grpo "$@"
+fi
+if [ "$what" = test-fast ]; then
+  exec python -m pytest tests -q -x --timeout=600 -p no:cacheprovider -m "not multiproc and not slow and not sglang and not gpu" "$@"
 fi
 exec python -m pytest tests -q -x --timeout=600 -p no:cacheprovider "$@"

@@ -74,6 +74,18 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = shuffled
 
 
+# Markers by directory (pytest.ini lists them): what a directory's tests need or do. `slow` is marked by hand.
+DIRECTORY_MARKERS = {"distributed": "multiproc", "e2e": "multiproc", "process": "multiproc", "sglang": "sglang",
+                     "gpu": "gpu"}
+
+
+def pytest_itemcollected(item):
+    rel = item.path.relative_to(ROOT / "tests") if item.path.is_relative_to(ROOT / "tests") else None
+    marker = DIRECTORY_MARKERS.get(rel.parts[0]) if rel is not None and len(rel.parts) > 1 else None
+    if marker:
+        item.add_marker(marker)
+
+
 def pytest_report_collectionfinish(config, start_path, items):
     return _order_line(config)  # printed under -q too
 
