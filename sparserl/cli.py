@@ -6,10 +6,10 @@
 the caller then exits 0. Under torchrun only rank 0 prints. `--config-name NAME` (or `-cn NAME`) starts from
 configs/NAME.yaml instead of the entry point's own base config (grpo for training, eval for evaluation), e.g.
 `--config-name gpu` for the paper's GPU settings. Anything else that starts with `-` is a UserError. The help
-text is generated: keys and values from the dataclasses of `sparserl/config.py` and the loaded config,
+text is generated: keys and values from the dataclasses of `sparserl/config/schema.py` and the loaded config,
 descriptions from each field's `help` metadata (`opt(default, help)`; a group's from the field holding it),
-valid values from `config_checks.RULES`. A key without help is listed without a description. `sections()` is
-that text as data; scripts/gen_reference.py renders docs/config.md from it.
+valid values from `sparserl.config.checks.RULES`. A key without help is listed without a description.
+`sections()` is that text as data; scripts/gen_reference.py renders docs/config.md from it.
 
 Left out on purpose: the rest of Hydra's command line (`--multirun`, `--cfg hydra`, `--config-path`, tab
 completion, `hydra.*` run directories): a run writes to `trainer.output_dir` and nowhere else.
@@ -21,9 +21,10 @@ import os
 import sys
 from typing import Any
 
-from sparserl.config import CONFIG_DIR, Config, base_configs, to_yaml
-from sparserl.config_load import load_config
-from sparserl.config_checks import RULES, show
+from sparserl.config.checks import RULES
+from sparserl.config.fields import show
+from sparserl.config.load import load_config
+from sparserl.config.schema import CONFIG_DIR, Config, base_configs, to_yaml
 from sparserl.utils.errors import UserError
 
 KEY_WIDTH = 44  # "  key = value" is padded to this many characters before the description
@@ -106,7 +107,7 @@ class KeyDoc:
     key: str  # dotted name, as set on the command line
     type: str  # the field's annotation in its dataclass
     value: Any  # its value in the loaded config
-    help: str  # the field's help, with config_checks.RULES's valid values where the help does not list them
+    help: str  # the field's help, with RULES's valid values where the help does not list them
 
 
 @dataclasses.dataclass(frozen=True)

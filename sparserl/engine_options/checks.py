@@ -1,7 +1,7 @@
 """What the chosen engine needs of this machine, checked with the other inputs before anything is written or torch
 is imported (training: trainer/preflight.py; evaluation: eval/__main__.py).
 
-Left out on purpose: the config's values (sparserl/config_checks.py checks those when the config loads).
+Left out on purpose: the config's values (sparserl/config/ checks those when the config loads).
 """
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from sparserl.config import CONFIG_DIR, Config
-from sparserl.config_checks import check_config
-from sparserl.config_load import leaf_keys
+from sparserl.config.checks import check_config
+from sparserl.config.load import leaf_keys
 from sparserl.kv.policy import KVPolicyConfig
 from sparserl.utils.errors import UserError
 

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
-from sparserl.config_checks import check_section, opt
+from sparserl.config.fields import COUNT, NON_NEG, above, check_section, opt, ordered, within
+
 
 def tail_key(statistic: str) -> str:
     """The metric the controller reads for `rollout.kv.control.statistic`: the sampler's own tail."""
@@ -48,15 +50,18 @@ def tail_of(metrics: dict, statistic: str) -> float | None:
 class BudgetControlConfig:
     """`rollout.kv.control.*`: read only when `rollout.kv.budget=auto`."""
 
-    floor: int = opt(64, "the smallest budget the controller may choose (> rollout.kv.window)")
-    ceiling: int = opt(1024, "the largest budget, and the first step's")
+    RELATIONS: ClassVar[tuple] = (lambda control, p: ordered(control, p, "floor", "ceiling"),)
+
+    floor: int = opt(64, "the smallest budget the controller may choose (> rollout.kv.window)", rule=COUNT)
+    ceiling: int = opt(1024, "the largest budget, and the first step's", rule=COUNT)
     target: float = opt(0.86, "keep the 5th percentile of xi = p_dense / p_sparse over a step's response tokens at "
-                              "or above this")
-    hysteresis: float = opt(0.03, "lower the budget only while the tail is at or above target + hysteresis")
+                              "or above this", rule=within("(0, 1]"))
+    hysteresis: float = opt(0.03, "lower the budget only while the tail is at or above target + hysteresis",
+                            rule=NON_NEG)
     factor: float = opt(1.25, "the budget moves by this factor: up at once when the tail is below target, down "
-                              "after `patience` calm steps")
-    patience: int = opt(2, "steps in a row at or above target + hysteresis before the budget is lowered")
-    align: int = opt(8, "budgets are multiples of this many entries")
+                              "after `patience` calm steps", rule=above(1))
+    patience: int = opt(2, "steps in a row at or above target + hysteresis before the budget is lowered", rule=COUNT)
+    align: int = opt(8, "budgets are multiples of this many entries", rule=COUNT)
     statistic: str = opt("xi_p05", "the tail statistic held above `target`: the 5th percentile of xi (the anchor's) "
                                    "or the 1st (for tasks where fewer than 5% of the tokens carry the mismatch)",
                          choices=("xi_p05", "xi_p01"))

@@ -18,7 +18,7 @@ This file orchestrates; the work happens in the functions it calls.
 
 The command line (`--help`, `--cfg job`, overrides) and every input are checked before the training stack
 is imported: torch alone takes seconds to import, and a bad key, value, file or folder answers in about one
-(sparserl/cli.py, sparserl/config_checks.py, sparserl/trainer/preflight.py).
+(sparserl/cli.py, sparserl/config/checks.py, sparserl/trainer/preflight.py).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 can get wrong that the config alone does not show, found before torch is imported or a file written.
 
 `validate_inputs` runs on every rank right after the config loaded; every check of a config VALUE (ranges,
-enums, keys that must agree) has run by then, in sparserl/config_checks.py, and none is repeated here. What is
+enums, keys that must agree) has run by then, in sparserl/config/, and none is repeated here. What is
 left is what needs the machine: SGLang installed with its plugins (rollout.engine=sglang), peft for LoRA actors
 (actor.lora.rank > 0, which also refuses adapter dropout with parallel.tp > 1), `trainer.output_dir`
 (a folder this process can write, or can create; it is not created here), `trainer.resume`, the env module,

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 from sparserl.config import to_yaml
-from sparserl.config_load import load_config
+from sparserl.config.load import load_config
 from tests.launch import command
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -98,7 +98,7 @@ def mean_target_ce(ckpt, args) -> float:
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sparserl.config_load import load_config
+    from sparserl.config.load import load_config
     from sparserl.trainer.sft import read_examples, tokenize_examples
 
     cfg = load_config(args)

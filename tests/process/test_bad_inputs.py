@@ -3,7 +3,7 @@
 Each case runs the real command line in a subprocess; the cases run in parallel threads, and most fail
 before torch is imported (about half a second of CPU each). Each asserts: exit code 2, exactly one `error:`
 line on stderr naming the key or file, no traceback, no output folder. The drift tests below keep the rule
-table (sparserl/config_checks.py) equal to the schema and to the registries it mirrors, and make sure every
+table (sparserl/config/checks.py) equal to the schema and to the registries it mirrors, and make sure every
 rule has a case here. `--help` and `--cfg job` exit 0.
 """
 import json

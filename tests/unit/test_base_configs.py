@@ -67,7 +67,7 @@ def test_unknown_config_name_names_the_base_configs():
 
 
 def test_the_dataclasses_hold_every_default_and_grpo_yaml_sets_none():
-    """configs/grpo.yaml only names the schema: a training run's defaults are the dataclasses' (sparserl/config.py),
+    """configs/grpo.yaml only names the schema: a training run's defaults are the dataclasses' (sparserl/config/schema.py),
     so the YAML and the dataclasses cannot disagree."""
     from sparserl.config import CONFIG_DIR, Config
 

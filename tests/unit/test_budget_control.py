@@ -132,7 +132,7 @@ def test_the_chosen_statistic_of_the_sampler_s_own_tail_steers():
 
 
 def test_an_unknown_statistic_is_refused():
-    from sparserl.config_checks import ConfigError
+    from sparserl.config.fields import ConfigError
 
     with pytest.raises(ConfigError, match="rollout.kv.control.statistic=xi_p10: must be one of xi_p05, xi_p01"):
         BudgetControlConfig(statistic="xi_p10")

@@ -5,13 +5,13 @@ import dataclasses
 import pytest
 import torch
 
-from sparserl.config_checks import RANGES, RULES
+from sparserl.config.checks import RANGES, RULES
 
 
 def test_enum_names_are_declared_with_their_fields_and_ranges_are_not_enums():
     """An enum's names live in its field's metadata only: the hand-written table has no enum left."""
     from sparserl.config import Config
-    from sparserl.config_load import group_type
+    from sparserl.config.load import group_type
 
     def fields(cls=Config, prefix=""):
         for f in dataclasses.fields(cls):

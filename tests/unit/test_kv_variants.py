@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from sparserl.config_load import load_config
+from sparserl.config.load import load_config
 from sparserl.kv import POLICIES, REFERENCE_POLICIES, KVPolicyConfig, register_policy, score_tokens, select_keep
 from sparserl.kv.rkv import rkv_redundancy, rkv_reference_redundancy
 from sparserl.engines.native.engine import NativeEngine

@@ -222,7 +222,7 @@ def test_adapter_checkpoint_holds_only_adapters_and_refuses_other_settings(tmp_p
 
 
 def test_trainer_input_checks(tmp_path):
-    from sparserl.config_load import load_config
+    from sparserl.config.load import load_config
     from sparserl.trainer.preflight import check_lora, check_not_adapter
 
     with pytest.raises(UserError, match=r"actor.lora.dropout=0.1 with parallel.tp=2"):

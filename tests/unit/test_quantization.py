@@ -4,7 +4,7 @@ the weight bytes, the dense re-score split, and the one-line errors."""
 import pytest
 import torch
 
-from sparserl.config_load import load_config
+from sparserl.config.load import load_config
 from sparserl.kv import KVPolicyConfig
 from sparserl.engines.native.engine import NativeEngine
 from sparserl.engines.native.quantize import QuantLinear, check_scheme, quantize_int8

@@ -34,7 +34,7 @@ def test_committed_page_equals_the_generated_one(page):
 
 def test_config_page_lists_every_key_with_the_default_a_run_gets():
     from sparserl.cli import sections
-    from sparserl.config_load import load_config
+    from sparserl.config.load import load_config
 
     text = (ROOT / GEN.CONFIG_PAGE).read_text(encoding="utf-8")
     for section in sections(load_config([])):

@@ -110,7 +110,7 @@ def test_env_specs_from_config_maps():
 
 
 def test_config_keys_of_openreward():
-    from sparserl.config_load import load_config
+    from sparserl.config.load import load_config
 
     cfg = load_config(["env.openreward.envs={local/CalcArithmetic: {weight: 2}, local/GuessNumber: {}}",
                        "env.openreward.serve=envs/tool_use.py"])

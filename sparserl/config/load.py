@@ -1,7 +1,7 @@
 """Loading a run's configuration: `load_config(overrides)` composes `configs/<name>.yaml` over the schema
-(sparserl/config.py) with command-line overrides (`key=value`, `+preset=sparse_rl`), checks every overridden key
+(sparserl/config/schema.py) with command-line overrides (`key=value`, `+preset=sparse_rl`), checks every overridden key
 against the schema first (a misspelled key fails naming the closest valid names; a key that was renamed or folded
-into another, `RENAMED`, fails naming its replacement), checks every value (sparserl/config_checks.py), and
+into another, `RENAMED`, fails naming its replacement), checks every value (sparserl/config/checks.py), and
 returns the typed `Config`. Nothing past this module sees a DictConfig. This module imports no torch.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from sparserl.config import CONFIG_DIR, Config
-from sparserl.config_checks import check_config
+from sparserl.config.schema import CONFIG_DIR, Config
+from sparserl.config.checks import check_config
 from sparserl.utils.errors import UserError
 
 
@@ -84,7 +84,7 @@ def check_key(key: str) -> None:
             raise UserError(f"unknown config key {key!r}{hint} (valid under {prefix or 'the root'}: {', '.join(fields)})")
         sub = group_type(node, part)
         if sub is None and i < len(parts) - 1:
-            if typing.get_origin(field_type(node, part)) is dict:  # a free-form map: its entries are checked with the loaded config (config_checks)
+            if typing.get_origin(field_type(node, part)) is dict:  # a free-form map: its entries are checked with the loaded config (checks.py)
                 path = ".".join(parts[: i + 1])
                 raise UserError(f"unknown config key {key!r}: {path} is a map; give its entries as one value, "
                                 f"{path}={{name: {{key: value}}}}")

@@ -1,52 +1,13 @@
-"""The config checks that relate keys to each other (sparserl/config_checks.py holds the one-key rules and runs these):
-`SECTION_CHECKS`, keys of one group (fn(node, prefix), run by `check_section` after the group's rules), and
-`CROSS_CHECKS`, keys of different groups (fn(cfg), run by `check_config` after every group). Each raises one
-`ConfigError` naming the keys and the way out. Plain Python: no torch.
+"""The config checks that relate keys of different groups: `CROSS_CHECKS`, fn(cfg), run by
+`sparserl/config/checks.py:check_config` after every group has passed its own rules. (Keys of one group are related
+by the group class's `RELATIONS`, beside its fields.) Each raises one `ConfigError` naming the keys and the way
+out. Plain Python: no torch.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from sparserl.config_checks import ConfigError, show
-
-
-def _ordered(node: Any, prefix: str, lo: str, hi: str) -> None:
-    a, b = getattr(node, lo), getattr(node, hi)
-    if a is not None and b is not None and a > b:
-        raise ConfigError(f"{prefix}.{lo}={show(a)} must be <= {prefix}.{hi}={show(b)}")
-
-
-def _kv_fits(kv: Any, p: str) -> None:
-    # Under budget=auto the smallest budget the controller may choose must fit what a fixed budget must.
-    key, budget = (f"{p}.control.floor", kv.control.floor) if kv.budget == "auto" else (f"{p}.budget", kv.budget)
-    if budget <= kv.window:
-        raise ConfigError(f"{key}={budget} must be > {p}.window={kv.window} (the window alone would fill the budget)")
-    if kv.algorithm == "streaming" and kv.sinks > budget - kv.window:
-        raise ConfigError(f"{p}.sinks={kv.sinks} must be <= {key} - {p}.window ({budget - kv.window}) so that every "
-                          "sink fits")
-
-
-def _control_bounds(control: Any, p: str) -> None:
-    _ordered(control, p, "floor", "ceiling")
-
-
-def _correction_bounds(corr: Any, p: str) -> None:
-    _ordered(corr, p, "token_low", "token_high")
-    _ordered(corr, p, "geo_low", "geo_high")
-
-
-def _k_within_n(ev: Any, p: str) -> None:
-    if any(k > ev.n for k in ev.k):
-        raise ConfigError(f"{p}.k={show(list(ev.k))}: every k must be in [1, {p}.n={ev.n}] (pass@k needs n >= k samples)")
-
-
-# Checks relating keys of one group: fn(node, prefix), run by check_section after the group's rules.
-SECTION_CHECKS: dict[str, tuple[Callable[[Any, str], None], ...]] = {
-    "rollout.kv": (_kv_fits,),
-    "rollout.kv.control": (_control_bounds,),
-    "algo.correction": (_correction_bounds,),
-    "eval": (_k_within_n,),
-}
+from sparserl.config.fields import ConfigError, show
 
 
 def _dual_clip_is_ppo(cfg) -> None:

@@ -1,15 +1,15 @@
-"""Structured configuration: dataclasses registered with Hydra, loaded once at start-up.
+"""The run's configuration schema: dataclasses registered with Hydra, loaded once at start-up.
 
 The dataclasses below are the schema AND every default of a training run: configs/grpo.yaml sets no value, and
 the other base configs (configs/eval.yaml, configs/gpu.yaml) and the presets (configs/preset/) only override.
-Each field is declared with `opt(default, help, choices=...)` (sparserl/config_checks.py): its `--help` text and,
-for an enum, its valid names live in the field's metadata, which `--help` (cli.py), docs/config.md
-(scripts/gen_reference.py) and the checks (config_checks.py) read. Enums are plain `str` fields with declared
+Each field is declared with `opt(default, help, choices=..., rule=...)` (sparserl/config/fields.py): its `--help`
+text, its valid enum names or its rule live in the field's metadata, which `--help` (sparserl/cli.py),
+docs/config.md (scripts/gen_reference.py) and the checks read. Enums are plain `str` fields with declared
 `choices`, not `typing.Literal`: OmegaConf 2.3 refuses Literal annotations in structured configs. The groups
 `rollout.kv` and `algo.correction` are the library's own `KVPolicyConfig` (sparserl/kv/policy.py) and
 `CorrectionConfig` (sparserl/algo/correction_config.py), which check their values when built.
 
-Loading (composing the YAML files with the command line, checking keys and values) is sparserl/config_load.py.
+Loading (composing the YAML files with the command line, checking keys and values) is sparserl/config/load.py.
 The base configs (`base_configs()`): grpo (training, the CPU demo), eval (`python -m sparserl.eval`)
 and gpu (the Sparse-RL paper's GPU settings, `--config-name gpu`); docs/config.md lists every key with its
 values in each. This module imports no torch.
@@ -20,17 +20,24 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from sparserl.algo.correction_config import CorrectionConfig
-from sparserl.config_checks import AUTO_DTYPES, DTYPES, opt
+from sparserl.config.fields import (COUNT, NON_EMPTY, NON_NEG, PROB, ConfigError, Rule, above, each, opt, or_null,
+                                    show, within)
 from sparserl.kv.policy import KVPolicyConfig
+
+DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64", "fp64")  # actor/hf.py DTYPES
+# `opt(..., **DTYPES)`: a dtype key's valid names and how --help words them.
+DTYPES = {"choices": DTYPE_NAMES, "choices_desc": "float32, bfloat16, float16 or float64 (or fp32, bf16, fp16, fp64)"}
+AUTO_DTYPES = {"choices": ("auto", *DTYPE_NAMES),
+               "choices_desc": "auto, float32, bfloat16, float16 or float64 (or fp32, bf16, fp16, fp64)"}
 
 
 def _config_dir() -> Path:
     """The base configs: `sparserl/configs` in an installed wheel (setup.py ships the repository's configs/
     there), else the repository's configs/ beside the package (a checkout, or an editable install)."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]
     shipped = package / "configs"
     return shipped if (shipped / "grpo.yaml").is_file() else package.parent / "configs"
 
@@ -53,14 +60,16 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_path: str = opt("", "empty: prompts come from the env module's make_prompts()")
-    prompt_key: str = opt("prompt", "the field holding the prompt: a string or a list of {role, content} messages")
-    answer_key: str = opt("answer", "the field holding the reference answer (null where a row has none)")
-    messages_key: str = opt("messages", "where to look when the prompt field is absent or empty")
+    prompt_key: str = opt("prompt", "the field holding the prompt: a string or a list of {role, content} messages",
+                          rule=NON_EMPTY)
+    answer_key: str = opt("answer", "the field holding the reference answer (null where a row has none)",
+                          rule=NON_EMPTY)
+    messages_key: str = opt("messages", "where to look when the prompt field is absent or empty", rule=NON_EMPTY)
     answer_extract: str = opt("none", "none | gsm8k_hash | boxed", choices=("none", "gsm8k_hash", "boxed"))
     apply_chat_template: str = opt("auto", "auto | always | never", choices=("auto", "always", "never"))
     system_prompt: str | None = opt(None, "added to chat prompts that have no system message")
-    num_generated: int = opt(4096, "prompts to ask make_prompts() for")
-    max_prompt_tokens: int = opt(1024, "longer prompts are skipped (counted at start-up)")
+    num_generated: int = opt(4096, "prompts to ask make_prompts() for", rule=COUNT)
+    max_prompt_tokens: int = opt(1024, "longer prompts are skipped (counted at start-up)", rule=COUNT)
     shuffle: bool = opt(True, "reshuffle the prompts every epoch (seeded by trainer.seed)")
 
 
@@ -75,7 +84,7 @@ class OpenRewardConfig:
     base_url: str = opt("", "the environment server; empty: OpenReward's hosted service (or the server of "
                             "env.openreward.serve)")
     api_key_env: str = opt("OPENREWARD_API_KEY", "the environment variable holding the API key (the key is never "
-                                                 "logged or saved)")
+                                                 "logged or saved)", rule=NON_EMPTY)
     serve: str = opt("", "Python file of Environment classes that rank 0 serves on 127.0.0.1 for the run")
     tool_parser: str = opt("hermes", "hermes | mistral | llama3_json: how tool calls are read from the model's text",
                            choices=("hermes", "mistral", "llama3_json"))
@@ -85,10 +94,10 @@ class OpenRewardConfig:
 class EnvConfig:
     path: str = opt("envs/arithmetic.py", "Python file with async step(state, action, extra_info) (relative: also "
                                           "to the project)")
-    max_turns: int = opt(1, "turns per episode, unless the env module sets its own max_turns")
+    max_turns: int = opt(1, "turns per episode, unless the env module sets its own max_turns", rule=COUNT)
     step_timeout_s: float = opt(300.0, "an env step, reset or OpenReward call past this ends its sample with "
-                                       "status timeout; 0 = no limit")
-    max_concurrency: int = opt(256, "env calls in flight at once per process")
+                                       "status timeout; 0 = no limit", rule=NON_NEG)
+    max_concurrency: int = opt(256, "env calls in flight at once per process", rule=COUNT)
     openreward: OpenRewardConfig = opt(OpenRewardConfig, "OpenReward environments (tool use, multi-turn); when envs "
                                                          "is set, they replace env.path and data.train_path.")
 
@@ -100,30 +109,31 @@ class SGLangConfig:
     rollout.kv_pool_tokens and rollout.max_num_seqs."""
 
     attention_backend: str = opt("auto", "auto: torch_native on CPU, SGLang's choice on GPU")
-    mem_fraction_static: float = opt(0.5, "device memory for weights + KV pool; the actor shares the device")
-    chunked_prefill_size: int = opt(4096, "prompt tokens per prefill chunk; 0: no chunking")
+    mem_fraction_static: float = opt(0.5, "device memory for weights + KV pool; the actor shares the device",
+                                     rule=within("(0, 1)"))
+    chunked_prefill_size: int = opt(4096, "prompt tokens per prefill chunk; 0: no chunking", rule=NON_NEG)
     cuda_graph: bool = opt(True, "off on CPU")
     memory_saver: bool = opt(True, "sleep() frees GPU memory (torch_memory_saver); off on CPU")
-    weight_bucket_mb: float = opt(256.0, "weight sync: tensors per update_weights_from_tensor call")
+    weight_bucket_mb: float = opt(256.0, "weight sync: tensors per update_weights_from_tensor call", rule=above(0))
     log_level: str = opt("error", "the SGLang engine's own log level (error, warning, info, debug)")
 
 
 @dataclass
 class RolloutConfig:
     engine: str = opt("native", "native | sglang", choices=("native", "sglang"))
-    n: int = opt(8, "samples per prompt (one GRPO group)")
-    max_new_tokens: int = opt(48, "response length cap per turn")
-    temperature: float = opt(1.0, "0 = greedy")
-    top_p: float = opt(1.0, "nucleus sampling; 1 = off")
-    top_k: int = opt(0, "0 = off")
-    stop_strings: list[str] = opt([], "end a response at any of these (EOS always ends it)")
+    n: int = opt(8, "samples per prompt (one GRPO group)", rule=COUNT)
+    max_new_tokens: int = opt(48, "response length cap per turn", rule=COUNT)
+    temperature: float = opt(1.0, "0 = greedy", rule=NON_NEG)
+    top_p: float = opt(1.0, "nucleus sampling; 1 = off", rule=within("(0, 1]"))
+    top_k: int = opt(0, "0 = off", rule=NON_NEG)
+    stop_strings: list[str] = opt([], "end a response at any of these (EOS always ends it)", rule=each(NON_EMPTY))
     dtype: str = opt("auto", "the engine's weights and KV cache, for both engines; auto: as model.compute_dtype's "
                              "auto", **AUTO_DTYPES)
     kv_pool_tokens: int = opt(0, "KV slots per layer, for both engines (SGLang's max_total_tokens); 0 = enough for "
-                                 "every sequence of a step, densely")
+                                 "every sequence of a step, densely", rule=NON_NEG)
     max_num_seqs: int = opt(256, "sequences decoding at once per engine, for both engines (SGLang's "
-                                 "max_running_requests)")
-    max_batch_tokens: int = opt(8192, "tokens per engine forward: new prompts are prefilled while they fit")
+                                 "max_running_requests)", rule=COUNT)
+    max_batch_tokens: int = opt(8192, "tokens per engine forward: new prompts are prefilled while they fit", rule=COUNT)
     release_weights: bool = opt(True, "the engine drops its weight copy while the actor trains (refilled by the "
                                       "sync), for both engines (SGLang: sleep() frees the weights too)")
     quantization: str = opt("none", "none | int8 (weight-only) | w8a8 (int8 activations too; GPU) | fp8 (GPU): the "
@@ -140,7 +150,7 @@ class RolloutConfig:
                                "faster decode GEMMs, the linear weights held twice; engines/native/prepack.py",
                        choices=("auto", "on", "off", "onednn", "mkl"))
     rescore_seqs: int = opt(0, "measure-only: per engine and step, re-score this many sequences densely "
-                               "(rollout/kv_mismatch_kl)")
+                               "(rollout/kv_mismatch_kl)", rule=NON_NEG)
     kv: KVPolicyConfig = opt(KVPolicyConfig)
     sglang: SGLangConfig = opt(SGLangConfig, "Start-up settings of the SGLang engine (rollout.engine=sglang); see "
                                              "docs/sglang.md.")
@@ -150,32 +160,32 @@ class RolloutConfig:
 class LoRAConfig:
     """Low-rank adapters (the peft library): only the adapters train; the engines receive base + adapter merged."""
 
-    rank: int = opt(0, "adapter rank; 0 = full fine-tuning (no adapters)")
-    alpha: float = opt(32.0, "adapter scale numerator: the update is (alpha / rank) * B @ A")
+    rank: int = opt(0, "adapter rank; 0 = full fine-tuning (no adapters)", rule=NON_NEG)
+    alpha: float = opt(32.0, "adapter scale numerator: the update is (alpha / rank) * B @ A", rule=above(0))
     dropout: float = opt(0.0, "dropout on the adapters' input in the update (0 keeps the actor's log-probs equal to "
-                              "the engine's)")
+                              "the engine's)", rule=within("[0, 1)"))
     target_modules: list[str] = opt(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                                     "module names that get adapters (peft's target_modules; all-linear: every linear "
-                                    "layer but the LM head)")
+                                    "layer but the LM head)", rule=each(NON_EMPTY, min_len=1))
     export_merged: bool = opt(False, "the final HF export also writes the merged model (base + adapter) beside the "
                                      "adapter")
 
 
 @dataclass
 class ActorConfig:
-    lr: float = opt(5e-6, "AdamW learning rate after warmup")
-    weight_decay: float = opt(0.0, "AdamW decoupled weight decay")
-    betas: list[float] = opt([0.9, 0.999], "AdamW (beta1, beta2)")
+    lr: float = opt(5e-6, "AdamW learning rate after warmup", rule=NON_NEG)
+    weight_decay: float = opt(0.0, "AdamW decoupled weight decay", rule=NON_NEG)
+    betas: list[float] = opt([0.9, 0.999], "AdamW (beta1, beta2)", rule=each(within("[0, 1)"), length=2))
     lr_schedule: str = opt("constant", "constant | cosine", choices=("constant", "cosine"))
-    warmup_steps: int = opt(0, "optimizer steps of linear warmup")
-    min_lr_ratio: float = opt(0.0, "cosine: the final learning rate as a fraction of actor.lr")
-    max_grad_norm: float = opt(1.0, "gradients clipped to this global norm")
+    warmup_steps: int = opt(0, "optimizer steps of linear warmup", rule=NON_NEG)
+    min_lr_ratio: float = opt(0.0, "cosine: the final learning rate as a fraction of actor.lr", rule=PROB)
+    max_grad_norm: float = opt(1.0, "gradients clipped to this global norm", rule=above(0))
     max_tokens_per_device: int = opt(4096, "tokens per packed micro-batch on each device (with parallel.cp=C a "
-                                           "micro-batch holds C times as many, split over the cp ranks)")
+                                           "micro-batch holds C times as many, split over the cp ranks)", rule=COUNT)
     logprob_chunk_mb: float = opt(64.0, "LM head + log-softmax in row chunks of this many MB of fp32 logits; 0 = "
-                                        "all at once")
-    updates_per_rollout: int = opt(1, "optimizer steps per rollout (minibatches)")
-    ppo_epochs: int = opt(1, "passes over each rollout")
+                                        "all at once", rule=NON_NEG)
+    updates_per_rollout: int = opt(1, "optimizer steps per rollout (minibatches)", rule=COUNT)
+    ppo_epochs: int = opt(1, "passes over each rollout", rule=COUNT)
     balance_ranks: bool = opt(True, "move sequences between DP ranks before the update so token loads are equal")
     fuse_old_logprobs: bool = opt(True, "one update per rollout: logp_old from the update's own forward (no extra "
                                         "pass)")
@@ -190,7 +200,7 @@ class ActorConfig:
 
 @dataclass
 class KLConfig:
-    coef: float = opt(0.0, "weight of the KL to the initial policy; 0 = off (no reference model)")
+    coef: float = opt(0.0, "weight of the KL to the initial policy; 0 = off (no reference model)", rule=NON_NEG)
     estimator: str = opt("k3", "k1 | k2 | k3", choices=("k1", "k2", "k3", "kl", "mse", "low_var_kl"))
     mode: str = opt("loss", "loss | reward", choices=("loss", "reward"))
 
@@ -203,7 +213,7 @@ class DynamicSamplingConfig:
     enable: bool = opt(False, "drop groups with zero reward variance (and groups the correction rejected whole) and "
                               "roll out more prompts until the step is full")
     max_rounds: int = opt(4, "rollout rounds per step at most, the first included; after the last the step trains on "
-                             "the informative groups it has")
+                             "the informative groups it has", rule=COUNT)
 
 
 @dataclass
@@ -212,8 +222,8 @@ class OverlongConfig:
 
     mask: bool = opt(False, "truncated responses leave the loss (they still count in their group's baseline)")
     penalty: float = opt(0.0, "DAPO soft overlong punishment: reward minus penalty x a linear ramp from 0 to 1 over "
-                              "the last `buffer` tokens of rollout.max_new_tokens; 0 = off")
-    buffer: int = opt(16, "tokens at the end of rollout.max_new_tokens over which the penalty ramps up")
+                              "the last `buffer` tokens of rollout.max_new_tokens; 0 = off", rule=NON_NEG)
+    buffer: int = opt(16, "tokens at the end of rollout.max_new_tokens over which the penalty ramps up", rule=COUNT)
 
 
 @dataclass
@@ -221,10 +231,11 @@ class AlgoConfig:
     adv_estimator: str = opt("grpo", "grpo | drgrpo", choices=("grpo", "drgrpo"))
     loss_agg: str = opt("token", "token | sequence", choices=("token", "sequence"))
     policy_loss: str = opt("ppo", "ppo | cispo", choices=("ppo", "cispo"))
-    clip_low: float = opt(0.2, "PPO ratio clipped below at 1 - clip_low")
-    clip_high: float = opt(0.2, "PPO ratio clipped above at 1 + clip_high (> clip_low: clip-higher)")
-    dual_clip: float | None = opt(None, "PPO dual clip constant for negative advantages; null = off")
-    entropy_coef: float = opt(0.0, "entropy bonus weight")
+    clip_low: float = opt(0.2, "PPO ratio clipped below at 1 - clip_low", rule=within("[0, 1)"))
+    clip_high: float = opt(0.2, "PPO ratio clipped above at 1 + clip_high (> clip_low: clip-higher)", rule=NON_NEG)
+    dual_clip: float | None = opt(None, "PPO dual clip constant for negative advantages; null = off",
+                                  rule=or_null(above(1)))
+    entropy_coef: float = opt(0.0, "entropy bonus weight", rule=NON_NEG)
     kl: KLConfig = opt(KLConfig)
     correction: CorrectionConfig = opt(CorrectionConfig(enable=False))  # off unless a preset or override turns it on
     dynamic_sampling: DynamicSamplingConfig = opt(DynamicSamplingConfig, "DAPO dynamic sampling: groups without reward "
@@ -235,52 +246,61 @@ class AlgoConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = opt(1, "tensor-parallel size; data-parallel size = world size / (tp x cp)")
+    tp: int = opt(1, "tensor-parallel size; data-parallel size = world size / (tp x cp)", rule=COUNT)
     cp: int = opt(1, "context-parallel size: ranks that split each packed micro-batch along the sequence "
-                     "(ring attention, docs/context_parallel.md)")
+                     "(ring attention, docs/context_parallel.md)", rule=COUNT)
     backend: str = opt("auto", "auto | gloo | nccl", choices=("auto", "gloo", "nccl"))
     device: str = opt("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
 
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = opt(30, "training steps (one rollout each)")
-    prompts_per_step: int = opt(16, "global, across data-parallel ranks")
-    output_dir: str = opt("outputs/grpo", "config.yaml, metrics.jsonl, checkpoints/, hf/")
+    total_steps: int = opt(30, "training steps (one rollout each)", rule=COUNT)
+    prompts_per_step: int = opt(16, "global, across data-parallel ranks", rule=COUNT)
+    output_dir: str = opt("outputs/grpo", "config.yaml, metrics.jsonl, checkpoints/, hf/", rule=NON_EMPTY)
     save_every: int = opt(10, "checkpoint every this many steps (and at the end, and when preempted): a crash "
-                              "loses at most this many; 0 = only at the end")
-    resume: str = opt("none", "none | auto | <checkpoint folder>")
-    seed: int = opt(0, "seeds sampling and prompt shuffling")
+                              "loses at most this many; 0 = only at the end", rule=NON_NEG)
+    resume: str = opt("none", "none | auto | <checkpoint folder>",
+                      rule=Rule(lambda v: isinstance(v, str) and v.strip() != "", "none, auto or a checkpoint folder",
+                           ("none", "auto")))
+    seed: int = opt(0, "seeds sampling and prompt shuffling", rule=NON_NEG)
     export_hf: bool = opt(True, "write the final policy to output_dir/hf")
-    stop_after: int = opt(0, "stop (as if interrupted) after this many steps; 0 = off")
+    stop_after: int = opt(0, "stop (as if interrupted) after this many steps; 0 = off", rule=NON_NEG)
     eval_every: int = opt(0, "evaluate eval.* on the rollout engine every this many steps, at step 0 and at the "
-                             "end; 0 = off")
+                             "end; 0 = off", rule=NON_NEG)
     log_samples: int = opt(4, "sequences per step written token by token to samples/step_N.jsonl (and wandb); 0 = "
-                              "off")
+                              "off", rule=within("[0, 64]"))
     keep_last: int = opt(3, "complete checkpoints kept (older ones removed after each save, the newest "
-                            "included); 0 = all")
+                            "included); 0 = all", rule=NON_NEG)
     max_skipped_steps: int = opt(3, "stop after this many optimizer steps in a row skipped for a non-finite loss / "
-                                    "grad norm")
+                                    "grad norm", rule=COUNT)
     preempt_signals: list[str] = opt(["SIGTERM", "SIGUSR1"], "Signals that end the run gracefully: finish the "
                                                              "step, save, exit 75 (sparserl/trainer/faults.py).",
                                      choices=("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT"))
+
+
+def _k_within_n(ev: Any, p: str) -> None:
+    if any(k > ev.n for k in ev.k):
+        raise ConfigError(f"{p}.k={show(list(ev.k))}: every k must be in [1, {p}.n={ev.n}] (pass@k needs n >= k samples)")
 
 
 @dataclass
 class EvalConfig:
     """`python -m sparserl.eval` and evaluation during training (trainer.eval_every); see sparserl/eval/."""
 
+    RELATIONS: ClassVar[tuple] = (_k_within_n,)
+
     datasets: list[Any] = opt([], "Shared eval sets by name (gsm8k, math500, aime24, amc23, minerva, "
                                   "olympiadbench, gaokao2023en, mawps) or {name, path, prompt_key, answer_key, "
                                   "answer_extract, env, suffix} entries (a known name fills the rest).")
     data_dir: str = opt("", "where the named sets live; empty: the package's own copy (sparserl/data/eval)")
-    n: int = opt(1, "samples per prompt")
-    k: list[int] = opt([1], "pass@k for each k (1 <= k <= n)")
-    temperature: float = opt(0.0, "0 = greedy")
-    top_p: float = opt(1.0)
-    max_new_tokens: int = opt(512)
-    limit: int = opt(0, "the first `limit` prompts of each set; 0 = all")
-    seed: int = opt(0, "a sample's seed depends on (seed, dataset, prompt index, sample index) only")
+    n: int = opt(1, "samples per prompt", rule=COUNT)
+    k: list[int] = opt([1], "pass@k for each k (1 <= k <= n)", rule=each(COUNT, min_len=1))
+    temperature: float = opt(0.0, "0 = greedy", rule=NON_NEG)
+    top_p: float = opt(1.0, rule=within("(0, 1]"))
+    max_new_tokens: int = opt(512, rule=COUNT)
+    limit: int = opt(0, "the first `limit` prompts of each set; 0 = all", rule=NON_NEG)
+    seed: int = opt(0, "a sample's seed depends on (seed, dataset, prompt index, sample index) only", rule=NON_NEG)
     output_dir: str = opt("outputs/eval", "eval.json, samples.jsonl (training writes under "
                                           "trainer.output_dir/eval/)")
 
@@ -288,7 +308,7 @@ class EvalConfig:
 @dataclass
 class WandbConfig:
     mode: str = opt("disabled", "disabled | offline | online", choices=("disabled", "offline", "online"))
-    project: str = opt("sparserl", "wandb project")
+    project: str = opt("sparserl", "wandb project", rule=NON_EMPTY)
     name: str | None = opt(None, "wandb run name; null = wandb's choice")
 
 
