@@ -4,7 +4,7 @@
 
 The batch is the comparison workload's shape (train_step.py --workload mawps): 64 sequences of a ~70-token
 prompt and a response of up to 128 tokens (lengths drawn once, seeded), random token ids, one optimizer step
-with the single-update loss (logp_old from the update's own forward). Each setting runs in its own process
+with the fused loss (logp_old from the update's own forward). Each setting runs in its own process
 (so one setting's freed memory cannot hide another's peak): a warm-up update, then a timed one. The peak is the
 update phase's resident-set peak (CPU) or allocator peak (CUDA); "model + optimizer" is the memory in use
 before the timed update (weights, gradients, AdamW state).
@@ -35,7 +35,7 @@ def one(args) -> None:
     from sparserl.config import AlgoConfig
     from sparserl.parallel import ParallelDims, init_distributed
     from sparserl.actor.hf import resolve_model_path
-    from sparserl.trainer.old_logprobs import FusedOldLogprobLoss
+    from sparserl.trainer.loss_path import FusedOldLogprobLoss
     from sparserl.utils.memory import PhasePeaks, release_free_memory
 
     info = init_distributed("cpu" if not torch.cuda.is_available() else "cuda")

@@ -69,7 +69,7 @@ class TrainBatch:
 
 # loss_fn(logp, entropy, batch, index, normalizer) -> (scalar loss, metrics). A loss_fn may also have
 # `finalize(batch, index, normalizer) -> (grad_scale, {metric: scale})`, called once after the minibatch's last
-# backward, for normalizers that need every micro-batch's forward first (the single-update path).
+# backward, for normalizers that need every micro-batch's forward first (the fused path).
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch, torch.Tensor, Normalizer], tuple[torch.Tensor, dict]]
 
 
@@ -275,7 +275,7 @@ class Actor:
         if self.skip_zero_advantage:  # summed over ranks: the global share
             out["actor/no_grad_seq_frac"] = len(no_grad) / norm.seqs if norm.seqs else 0.0
         finalize = getattr(loss_fn, "finalize", None)
-        if finalize is not None:  # normalizers known only now (trainer/old_logprobs.py FusedOldLogprobLoss)
+        if finalize is not None:  # normalizers known only now (trainer/loss_path.py FusedOldLogprobLoss)
             grad_scale, metric_scales = finalize(batch, index, norm)
             if grad_scale != 1.0:
                 for p in self.params:

@@ -147,7 +147,7 @@ def log_ratio(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor) -> tuple[Tens
 def token_decisions(cfg: CorrectionConfig, logp_old: Tensor, logp_sparse: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """The per-token part of `correct` for a few whole sequences: (kept (B, T) float mask, min(xi, cap) on kept
     tokens and 1 elsewhere). Every decision is local to a sequence; only the normalization of the weights needs
-    the whole minibatch, which is what lets the single-update path decide inside each micro-batch."""
+    the whole minibatch, which is what lets the fused path decide inside each micro-batch."""
     log_xi, on = log_ratio(logp_old, logp_sparse, mask)
     d = _decide(cfg, log_xi, on)
     return mask.detach().to(log_xi.dtype) * d.keep.to(log_xi.dtype), d.raw_weights

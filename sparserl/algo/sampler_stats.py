@@ -7,7 +7,7 @@ rejects whole (and, with `rejected_in_baseline=false`, those left with at most o
 low-xi ones, and the rescue replaces rejected sequences with dense redraws (xi = 1). Over the trained batch the tail
 of xi then reads higher than the sampler's. `SamplerStats` is fed wherever the trainer computes the dense log-probs of
 sparse samples (each dynamic-sampling round's dense pass, the separate logp_old pass, the update's own forward on
-the single-update path; never the rescue's dense redraws) and gives, once per step over every DP rank:
+the fused path; never the rescue's dense redraws) and gives, once per step over every DP rank:
 
   sampler/xi_p05, sampler/xi_p01  the tail quantiles of xi over the sampled tokens (what `rollout.kv.budget=auto`
                                   steers by, kv/budget_control.py);

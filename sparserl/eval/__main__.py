@@ -14,6 +14,7 @@ import sys
 
 from sparserl.cli import parse_cli
 from sparserl.config import Config
+from sparserl.engines.handle import EngineHandle
 from sparserl.eval.datasets import load_eval_sets
 from sparserl.eval.model import resolve_eval_model
 from sparserl.eval.report import format_table, settings, write_outputs
@@ -47,7 +48,7 @@ def run(cfg: Config, argv: list[str] | None = None) -> None:
     dims = ParallelDims.from_world(info.world_size, cfg.parallel.tp, cfg.parallel.cp)
     resolve_precision(cfg, info.device)
     dp = dims.build_mesh(info.device.type)["dp"]
-    tp_share = dims.tp_share(info.rank)  # with tp > 1 each TP group's owner evaluates, its peers receive the result
+    replica_group = dims.replica_group(info.rank)  # with tp or cp > 1 its owner evaluates for its peers
     tokenizer = load_tokenizer(model.path)
     texts = format_prompts(cfg, sets, tokenizer)
     lengths = [len(ids) for t in texts for ids in tokenizer(t, add_special_tokens=False)["input_ids"]]
@@ -58,8 +59,8 @@ def run(cfg: Config, argv: list[str] | None = None) -> None:
         engine.update_weights(weights)
     log0(f"evaluating {model.describe()} on {', '.join(f'{s.name} ({len(s.rows)})' for s in sets)}: "
          f"n={cfg.eval.n}, temperature {cfg.eval.temperature}, kv {cfg.rollout.kv.algorithm}, {info.world_size} process(es)")
-    result = evaluate(engine, tokenizer, cfg, sets, texts, dp.get_local_rank(), dp.size(), dp.get_group(), info.rank,
-                      tp_share)
+    result = evaluate(EngineHandle(engine, replica_group), tokenizer, cfg, sets, texts, dp.get_local_rank(), dp.size(),
+                      dp.get_group(), info.rank)
     if info.rank == 0:
         out = write_outputs(cfg.eval.output_dir, result, settings(cfg, model.describe(), info.world_size))
         print(format_table(result), flush=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sparserl.config import Config
+from sparserl.engines.handle import EngineHandle
 from sparserl.eval.datasets import EvalSet
 from sparserl.eval.report import format_table, settings, write_outputs
 from sparserl.eval.run import evaluate, flat_metrics, format_prompts
@@ -21,14 +22,14 @@ from sparserl.utils.logging import log0
 
 
 class TrainEval:
-    def __init__(self, cfg: Config, sets: list[EvalSet], engine, tokenizer, mesh, rank: int, tp_share=None) -> None:
+    def __init__(self, cfg: Config, sets: list[EvalSet], engine: EngineHandle, tokenizer, mesh, rank: int) -> None:
+        """`engine`: the trainer's handle (with tp or cp > 1 its replica group's owner evaluates, the peers receive)."""
         self.cfg, self.sets, self.engine, self.tokenizer, self.rank = cfg, sets, engine, tokenizer, rank
-        self.tp_share = tp_share  # parallel.TPShare: with tp > 1 the TP group's owner evaluates, its peers receive
         self.every = cfg.trainer.eval_every
         self.enabled = self.every > 0 and bool(sets)
         self.dp = mesh["dp"]
         self.texts = format_prompts(cfg, sets, tokenizer) if self.enabled else []
-        slots = getattr(engine, "num_slots", None)
+        slots = engine.num_slots
         if self.texts and slots:
             longest = max(len(ids) for t in self.texts for ids in tokenizer(t, add_special_tokens=False)["input_ids"])
             if longest + cfg.eval.max_new_tokens > slots:
@@ -38,7 +39,7 @@ class TrainEval:
 
     def run(self, step: int) -> dict[str, float]:
         result = evaluate(self.engine, self.tokenizer, self.cfg, self.sets, self.texts, self.dp.get_local_rank(),
-                          self.dp.size(), self.dp.get_group(), self.rank, self.tp_share)
+                          self.dp.size(), self.dp.get_group(), self.rank)
         if self.rank == 0:
             out = write_outputs(Path(self.cfg.trainer.output_dir) / "eval" / f"step_{step:06d}", result,
                                 {"step": step, **settings(self.cfg, self.cfg.model.path, self.dp.size())})

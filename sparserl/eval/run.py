@@ -4,8 +4,9 @@ through each set's env, gather every sample on every rank, compute the metrics.
 A sample's draws depend only on (eval.seed, the set's name, the prompt's row in its file, the sample index):
 the set name and eval.seed make `SamplingParams.seed`, the row index is the request's `seed_index`. Prompt i
 goes to data-parallel rank i % dp, and results are ordered by (row, sample) after the gather, so 1 or N
-processes give the same samples and the same numbers. With tp > 1 the owner of each tensor-parallel group
-evaluates and hands the result to its peers, which neither generate nor run an env. The engine is woken and
+processes give the same samples and the same numbers. With tp or cp > 1 the owner of each replica group evaluates
+and hands the result to its peers, which neither generate nor run an env (engines/handle.py `on_owner`); the
+samples come from the one rollout call training makes too (`rollout.worker.Rollouts`). The engine is woken and
 left awake (a `sleep()` may drop weights that the next training rollout needs; its `wake()` is a no-op then).
 Left out on purpose: caching generations across calls, early stopping on a confidence bound.
 """
@@ -21,11 +22,11 @@ from sparserl.config import Config
 from sparserl.data.dataset import format_prompt
 from sparserl.eval.datasets import EvalSet
 from sparserl.eval.metrics import SampleRecord, dataset_metrics
+from sparserl.engines.handle import EngineHandle
 from sparserl.engines.types import SamplingParams
 from sparserl.rollout.episode import Sample
-from sparserl.rollout.worker import rollout
+from sparserl.rollout.worker import Rollouts
 from sparserl.utils.errors import UserError
-from sparserl.utils.logging import progress
 from sparserl.utils.seed import derive
 
 
@@ -34,16 +35,6 @@ class EvalResult:
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # set -> metric -> value
     records: dict[str, list[SampleRecord]] = field(default_factory=dict)  # set -> samples by (row, sample)
     seconds: dict[str, float] = field(default_factory=dict)
-
-
-class _Progress:
-    """Engine wrapper that advances a progress bar as sequences finish."""
-
-    def __init__(self, engine, bar):
-        self.engine, self.bar = engine, bar
-
-    def generate(self, requests, progress=None):
-        return self.engine.generate(requests, progress=self.bar.update)
 
 
 def set_seed(seed: int, name: str) -> int:
@@ -84,35 +75,33 @@ def _gather(records: list[SampleRecord], group) -> list[SampleRecord]:
     return [r for part in parts for r in part]
 
 
-def evaluate(engine, tokenizer, cfg: Config, sets: list[EvalSet], texts: list[list[str]], dp_rank: int = 0,
-             dp_size: int = 1, group=None, rank: int = 0, tp_share=None) -> EvalResult:
-    """Every set once; returns the same result on every rank. `texts` come from `format_prompts`. With a
-    `tp_share` (parallel.TPShare, tp > 1) only the TP group's owner evaluates; its peers receive its result."""
-    if tp_share is not None and not tp_share.is_owner:
-        return tp_share.from_owner()
+def evaluate(engine: EngineHandle, tokenizer, cfg: Config, sets: list[EvalSet], texts: list[list[str]], dp_rank: int = 0,
+             dp_size: int = 1, group=None, rank: int = 0) -> EvalResult:
+    """Every set once; returns the same result on every rank. `texts` come from `format_prompts`. Only the owner of
+    each replica group (tp or cp > 1) evaluates, through `engine.on_owner`; its peers receive its result."""
+    return engine.on_owner(lambda e: _evaluate(e, tokenizer, cfg, sets, texts, dp_rank, dp_size, group, rank))
+
+
+def _evaluate(engine, tokenizer, cfg: Config, sets: list[EvalSet], texts: list[list[str]], dp_rank: int, dp_size: int,
+              group, rank: int) -> EvalResult:
     engine.wake()
     result = EvalResult()
     kv_bytes = getattr(engine.stats(), "kv_bytes_per_slot", 0)
     for s, set_texts in zip(sets, texts):
         t0 = time.perf_counter()
         params = sampling_params(cfg, s.name)
+        roll = Rollouts.from_config(cfg, engine, tokenizer, s.env, params, rank, lines_every_s=30.0)
         mine = list(range(dp_rank, len(s.rows), dp_size))
         rows, prompts = [s.rows[i] for i in mine], [set_texts[i] for i in mine]
-        local: list[SampleRecord] = []
-        if rows:
-            with progress(len(rows) * params.n, f"eval {s.name}", rank, cfg.logger.progress,
-                          lines_every_s=30.0) as bar:
-                samples, _ = rollout(_Progress(engine, bar), tokenizer, s.env, rows, prompts, params,
-                                     seed_indices=[r.index for r in rows], step_timeout_s=cfg.env.step_timeout_s,
-                                     max_concurrency=cfg.env.max_concurrency)
-            # Samples come in prompt order, `n` per prompt, in sample order (worker contract).
-            local = [_record(s.name, rows[j // params.n], prompts[j // params.n], sample, j % params.n, tokenizer, s.env)
-                     for j, sample in enumerate(samples)]
+        samples, _ = roll(rows, prompts, [r.index for r in rows], f"eval {s.name}")
+        # Samples come in prompt order, `n` per prompt, in sample order (worker contract).
+        local = [_record(s.name, rows[j // params.n], prompts[j // params.n], sample, j % params.n, tokenizer, s.env)
+                 for j, sample in enumerate(samples)]
         records = sorted(_gather(local, group), key=lambda r: (r.index, r.sample))
         result.records[s.name] = records
         result.metrics[s.name] = dataset_metrics(records, params.n, list(cfg.eval.k), s.env.extract_answer is not None, kv_bytes)
         result.seconds[s.name] = time.perf_counter() - t0
-    return result if tp_share is None else tp_share.from_owner(result)
+    return result
 
 
 def flat_metrics(result: EvalResult) -> dict[str, float]:

@@ -34,6 +34,9 @@ ends the trajectory with reward 0, score 0 and status "error" ("timeout" for an 
 generation is not scored (reward 0). The `n` trajectories of a prompt must open with the same prompt tokens
 (they are sampled as one group); one that does not ends with status "error".
 
+`Rollouts` is the call the trainer's rounds, the rescue's redraws and the evaluation make: the run's settings bound
+once, this rank's prompts, seed indices and a progress label per call.
+
 Left out on purpose: splitting a trajectory whose `next_state` rewrites history into several sequences,
 partial rollouts across steps, and per-token rewards.
 """
@@ -52,6 +55,7 @@ from sparserl.engines.protocol import RolloutEngine, supports_sessions
 from sparserl.rollout.env_module import ModuleDriver
 from sparserl.rollout.episode import EnvCalls, EnvDriver, Opening, Sample, failure_status, row_extra
 from sparserl.engines.types import Generation, GenerationRequest, SamplingParams
+from sparserl.utils.logging import progress
 from sparserl.utils.seed import trajectory_index
 
 log = logging.getLogger(__name__)
@@ -267,6 +271,55 @@ def rollout(
     `rollout_async` instead."""
     return asyncio.run(rollout_async(engine, tokenizer, env, rows, prompt_texts, params, max_turns, max_total_tokens,
                                      seed_indices, step_timeout_s, max_concurrency))
+
+
+class _Progress:
+    """The engine, with each finished sequence advancing a progress bar (multi-turn sessions pass through)."""
+
+    def __init__(self, engine, bar) -> None:
+        self.engine, self.bar = engine, bar
+        self.supports_sessions = supports_sessions(engine)
+
+    def generate(self, requests, progress=None):
+        return self.engine.generate(requests, progress=self.bar.update)
+
+    def end_sessions(self, session_ids=None):
+        return self.engine.end_sessions(session_ids)
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """The one rollout call of the training step, the rescue's redraws and the evaluation: built once from the
+    run's settings (`from_config`), then called with this rank's rows, their prompt texts, their seed indices and
+    a label for the progress bar (rank 0, `logger.progress`). No rows: no samples, no metrics, no engine call."""
+
+    engine: Any
+    tokenizer: Any
+    env: Any
+    params: SamplingParams
+    rank: int = 0
+    show_progress: bool = True
+    lines_every_s: float = 0.0  # > 0: a plain progress line that often where bars are off (utils.logging.progress)
+    max_turns: int | None = None
+    max_total_tokens: int | None = None
+    step_timeout_s: float | None = None
+    max_concurrency: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg, engine, tokenizer, env, params: SamplingParams, rank: int, **settings) -> Rollouts:
+        """With the run's env-call bounds (`env.step_timeout_s`, `env.max_concurrency`) and progress setting."""
+        return cls(engine, tokenizer, env, params, rank, cfg.logger.progress, step_timeout_s=cfg.env.step_timeout_s,
+                   max_concurrency=cfg.env.max_concurrency, **settings)
+
+    def __call__(self, rows: list[PromptRow], prompts: list[str], seed_indices: list[int], label: str,
+                 n: int | None = None) -> tuple[list[Sample], dict[str, float]]:
+        """`n`: samples per prompt in place of `params.n` (the rescue draws one)."""
+        if not rows:
+            return [], {}
+        params = self.params if n is None else self.params.replace(n=n)
+        with progress(len(rows) * params.n, label, self.rank, self.show_progress, self.lines_every_s) as bar:
+            return rollout(_Progress(self.engine, bar), self.tokenizer, self.env, rows, prompts, params, self.max_turns,
+                           self.max_total_tokens, seed_indices, self.step_timeout_s, self.max_concurrency)
 
 
 def rollout_metrics(samples: list[Sample]) -> dict[str, float]:

@@ -9,8 +9,8 @@ of the loss (`algo.overlong.mask`, trainer/train_batch.py) still counts in its g
 
 `set_advantages` also decides which sequences count in the group baseline: all of them (the paper, and
 `algo.correction.rejected_in_baseline=true`), or only those the correction kept. Where logp_old is known before
-the update (the separate-pass path) it also logs `mismatch/low_xi_*`; the single-update path logs them from the
-update (trainer/old_logprobs.py).
+the update (the separate-pass path) it also logs `mismatch/low_xi_*`; the fused path logs them from the
+update (trainer/loss_path.py).
 
 Left out on purpose: partial rollouts, and filtering groups here: dynamic sampling drops the groups without
 signal before the batch exists (trainer/dynamic_sampling.py), so every group that reaches this point trains.
@@ -63,9 +63,9 @@ def set_advantages(algo: AlgoConfig, batch: TrainBatch, samples: list[Sample], n
                    loss_cfg: LossConfig, dp_group=None, max_new_tokens: int | None = None) -> dict:
     """Sets `batch.advantages` (B,); returns the metrics.
 
-    `rejected` (B,) is None on the single-update path, which is never taken when advantages depend on it.
+    `rejected` (B,) is None on the fused path, which is never taken when advantages depend on it.
     Where logp_old is already known (the separate-pass path), also the `mismatch/low_xi_*` metrics, on the
-    samples' own response masks (batch.mask may be the corrected one by now); the single-update path logs
+    samples' own response masks (batch.mask may be the corrected one by now); the fused path logs
     them from `FusedOldLogprobLoss.finalize`. `max_new_tokens`: the length cap of the overlong penalty.
     """
     rewards, penalty = shaped_rewards(algo, samples, max_new_tokens, batch.mask.device)

@@ -10,8 +10,8 @@ reward (`algo.kl.mode=reward`) is not, as it needs the reference's pass.
 
 The correction's rejections need logp_old. With the correction applied, each round therefore runs the dense
 pass (`dense_logprobs`, the engine asleep meanwhile) on its reward-informative groups, and the kept groups carry
-those log-probs into the batch, so the update needs no other pass; the single-update path is off in that case
-(trainer/old_logprobs.py), since it only learns the rejections inside the update.
+those log-probs into the batch, so the update needs no other pass; the fused path is off in that case
+(trainer/loss_path.py), since it only learns the rejections inside the update.
 
 Rounds (`collect`):
   1. round 1 rolls out the step's `prompts_per_step` prompts (the sampler's `next()`), exactly as without

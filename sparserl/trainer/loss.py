@@ -6,7 +6,7 @@
   known (it sets the batch's weights and mask under `mode=apply`).
 - `zero_advantage_no_grad`: whether the actor may skip backward over zero-advantage sequences.
 - `make_loss_fn`: the loss closure over a batch whose logp_old, weights and masks are already set; it only
-  slices them to the micro-batch. The single-update path has its own (trainer/old_logprobs.py).
+  slices them to the micro-batch. The fused path has its own (trainer/loss_path.py).
 
 Left out on purpose: a loss registry of its own (policy losses, aggregations and KL estimators are registered
 in sparserl/algo) and any state in the closure (it is the same function for every step).

@@ -1,4 +1,4 @@
-"""Step metrics that need every rank's view: rewards, lengths, KV use, throughput.
+"""Step metrics that need every rank's view: rewards, lengths, KV use, throughput, memory.
 
 Left out on purpose: per-env breakdowns of env modules (they can put their own numbers in `extra_info`);
 OpenReward runs get `openreward/<env>/samples` and `reward_mean` per env, and `tool/*` counts per sample.
@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from sparserl.engines.protocol import EngineStats
 from sparserl.rollout.episode import Sample
+from sparserl.utils.memory import peak_rss_gb, rss_bytes
 
 
 def gather_step_metrics(step: int, samples: list[Sample], rollout_metrics: dict, stats: EngineStats, batch, timers: dict,
@@ -94,3 +95,18 @@ def _reduce(values: dict[str, float], op, group, device) -> dict[str, float]:
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
     return dict(zip(keys, t.tolist()))
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return peak_rss_gb()
+
+
+def memory_metrics(device: torch.device, group) -> dict[str, float]:
+    """This rank's peak and current memory (`mem/peak_gb`, `mem/rss_gb`) and the largest peak of any DP rank."""
+    peak = peak_memory_gb(device)
+    top = torch.tensor([peak], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    return {"mem/peak_gb": peak, "mem/peak_gb_max_rank": float(top), "mem/rss_gb": rss_bytes() / 2**30}

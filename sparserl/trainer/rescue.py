@@ -1,7 +1,7 @@
 """The rescue of rejected samples (`algo.correction.rescue=dense`): the sequences the sparsity correction rejects
 are rolled out again with a dense KV cache, and the step trains on the new samples in their place.
 
-After the step's logp_old pass (trainer/old_logprobs.py takes the separate pass for it), `Rescue.run`:
+After the step's logp_old pass (trainer/loss_path.py takes the separate pass for it), `Rescue.run`:
   1. decides which of this rank's sequences the correction rejects (`rejected_sequences`: the veto or the
      geometric-mean bounds, the same decision `correct` takes) and counts them over the DP ranks; with none
      anywhere it stops here (no engine wake, no weight sync);

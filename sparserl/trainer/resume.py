@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sparserl.config import Config
+from sparserl.trainer.saved_state import SavedState, keep
 from sparserl.utils.errors import UserError
 from sparserl.utils.logging import log0
 
@@ -49,9 +50,22 @@ def _set(cfg: Config, key: str, value) -> None:
     setattr(node, last, value)
 
 
+def settings(cfg: Config) -> dict:
+    """The `SETTINGS` record of this run (plain strings, numbers and lists)."""
+    return {k: _get(cfg, k) for k in (*FIXED, *RESOLVED)}
+
+
 def record(cfg: Config, consecutive_skips: int) -> dict:
-    """What `save()` adds to a checkpoint's trainer state (plain strings, numbers and lists)."""
-    return {SETTINGS: {k: _get(cfg, k) for k in (*FIXED, *RESOLVED)}, SKIPS: int(consecutive_skips)}
+    """What this module adds to a checkpoint's trainer state."""
+    return {SETTINGS: settings(cfg), SKIPS: int(consecutive_skips)}
+
+
+def register(saved: SavedState, cfg: Config, actor) -> None:
+    """The record's two pieces in the trainer's registry of saved state (trainer/saved_state.py): `SETTINGS`, saved
+    and, on resume, already checked and applied before the processes started (`apply_saved_settings`), and
+    `SKIPS`, saved and restored (0 from a checkpoint without it)."""
+    saved.register(SETTINGS, lambda: settings(cfg), keep, optional=True)
+    saved.register(SKIPS, lambda: int(actor.consecutive_skips), lambda count: set_skips(actor, count), default=0)
 
 
 def _same(key: str, saved, given) -> bool:
@@ -123,7 +137,11 @@ def apply_saved_settings(cfg: Config) -> dict | None:
 
 def restore_skips(state: dict, actor) -> None:
     """The non-finite guard's count of skipped steps in a row, as the checkpoint's run left it (0 when absent)."""
-    actor.consecutive_skips = int(state.get(SKIPS, 0))
+    set_skips(actor, state.get(SKIPS, 0))
+
+
+def set_skips(actor, count) -> None:
+    actor.consecutive_skips = int(count)
     if actor.consecutive_skips:
         log0(f"resumed after {actor.consecutive_skips} skipped optimizer step(s) in a row "
              "(trainer.max_skipped_steps counts on from there)")

@@ -11,7 +11,7 @@ token, 0 = an env token), `masked` (dropped by `token_low` / `token_high`) and `
 tokens that reject the sequence). With wandb on, the same rows (without the per-token lists) go to a wandb Table.
 
 Which sequences: `trainer.log_samples` of rank 0's rollouts, evenly spaced over them (so several prompt groups
-show up), the same positions every step. logp_old is the one the update used: on the single-update path it comes
+show up), the same positions every step. logp_old is the one the update used: on the fused path it comes
 out of the update's forward, so records are built after the update; when `actor.balance_ranks` moved a logged
 sequence to another DP rank, that rank sends its logp_old row back to rank 0 (one `gather_object` per step of a
 few rows). The flags and weights are recomputed from (logp_old, logp_sparse, loss mask) with the correction's

@@ -38,7 +38,7 @@ from sparserl.cli import parse_cli
 from sparserl.config import Config, to_dict, to_yaml
 from sparserl.data.dataset import PromptRow, format_prompt
 from sparserl.parallel import all_reduce_sum, teardown
-from sparserl.trainer.setup import start_processes
+from sparserl.trainer.build import start_processes
 from sparserl.utils.envload import load_env
 from sparserl.utils.errors import UserError, run_main
 from sparserl.utils.memory import reuse_heap

@@ -3,7 +3,7 @@
 Per-token lists (loss mask, sampler log-probs) become response-aligned (B, T) float32 tensors, zero-padded to
 the longest response. The batch starts with the sampler's log-probs only: advantages zero, no logp_old (unless
 dynamic sampling already computed it, trainer/dynamic_sampling.py), no correction weights; the trainer's later
-steps fill them in (trainer/old_logprobs.py, trainer/advantages.py).
+steps fill them in (trainer/loss_path.py, trainer/advantages.py).
 
 With `algo.overlong.mask` a sample whose last model turn was cut by a length limit (`episode.cut_by_length`)
 starts with an all-zero loss mask: it stays in the batch (and in its group's baseline) but leaves the loss and

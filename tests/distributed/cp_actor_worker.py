@@ -3,7 +3,7 @@
     [torchrun --nproc_per_node=DP*CP*TP] cp_actor_worker.py OUT CKPT DP CP TP MAX_TOKENS [ac]
 One update's log-probs, entropies, losses, gradients and gradient norm on a fixed batch (uneven lengths, groups
 of samples sharing a prompt, a response of one token), for token and sequence aggregation with an entropy term,
-and the single-update path (logp_old from the update's own forward, with the correction applied). Every DP rank
+and the fused path (logp_old from the update's own forward, with the correction applied). Every DP rank
 takes its contiguous share of the same 10 sequences; rank 0 saves what every rank saw.
 """
 import sys
@@ -18,7 +18,7 @@ from sparserl.algo.loss import LossConfig
 from sparserl.config import AlgoConfig
 from sparserl.parallel import ParallelDims, init_distributed, teardown
 from sparserl.trainer.loss import make_loss_fn
-from sparserl.trainer.old_logprobs import FusedOldLogprobLoss
+from sparserl.trainer.loss_path import FusedOldLogprobLoss
 
 N, T = 10, 14
 

@@ -16,7 +16,7 @@ from sparserl.cli import parse_cli
 from sparserl.data.prompt_sampler import PromptSampler
 from sparserl.engine_options.build import build_rollout_engine, sampling_params
 from sparserl.rollout.worker import rollout
-from sparserl.trainer import setup as S
+from sparserl.trainer.build import format_prompts, load_tokenizer, start_processes
 from sparserl.trainer.dynamic_sampling import DynamicSampling, Round, round_seed
 from sparserl.trainer.preflight import validate_inputs
 
@@ -28,10 +28,10 @@ def main() -> None:
                      "rollout.max_new_tokens=3", "algo.dynamic_sampling.enable=true",
                      "algo.dynamic_sampling.max_rounds=3"], "grpo")
     inputs = validate_inputs(cfg)
-    info, dims, mesh = S.start_processes(cfg)
-    tokenizer = S.load_tokenizer(inputs.model_path)
+    info, dims, mesh = start_processes(cfg)
+    tokenizer = load_tokenizer(inputs.model_path)
     rows = inputs.rows
-    texts = S.format_prompts(cfg, rows, tokenizer)
+    texts = format_prompts(cfg, rows, tokenizer)
     params = sampling_params(cfg)
     engine = build_rollout_engine(cfg, inputs.model_path, tokenizer, info.device, 1024, cfg.trainer.seed)
     dp_rank = mesh["dp"].get_local_rank()

@@ -1,5 +1,5 @@
 """One update's loss, gradients and correction metrics, with logp_old from a separate pass or from the update's
-own forward (the single-update path). Used by test_fused_old_logprobs.py.
+own forward (the fused path). Used by test_fused_old_logprobs.py.
 
     torchrun --nproc_per_node=N tests/distributed/fused_worker.py CKPT OUT [float32|float64]
 Every rank takes its contiguous share of the same 8 sequences. The sampler log-probs are the dense ones plus
@@ -16,7 +16,7 @@ from sparserl.algo.loss import LossConfig
 from sparserl.config import AlgoConfig
 from sparserl.parallel import ParallelDims, init_distributed, teardown
 from sparserl.trainer.loss import apply_correction, make_loss_fn
-from sparserl.trainer.old_logprobs import FusedOldLogprobLoss
+from sparserl.trainer.loss_path import FusedOldLogprobLoss
 from tests.distributed.update_worker import fixed_batch
 
 CASES = {

@@ -1,5 +1,5 @@
 """One training step as `trainer/grpo.py` runs it, with the logged samples next to the tensors its loss received.
-Used by tests/unit/test_samples_log.py.
+Used by tests/process/test_samples_run.py.
 
     [torchrun --nproc_per_node=N] tests/distributed/samples_worker.py CKPT OUT fused|separate
 
@@ -15,11 +15,11 @@ import sys
 import torch
 
 import sparserl.trainer.loss as L
-import sparserl.trainer.old_logprobs as O
+import sparserl.trainer.loss_path as O
 from sparserl.cli import parse_cli
 from sparserl.rollout.worker import rollout
 from sparserl.engine_options.build import build_rollout_engine, sampling_params
-from sparserl.trainer import setup as S
+from sparserl.trainer.build import build_actor, format_prompts, load_tokenizer, start_processes
 from sparserl.trainer.advantages import set_advantages
 from sparserl.trainer.balance import balance_ranks
 from sparserl.trainer.preflight import validate_inputs
@@ -64,15 +64,15 @@ def main() -> None:
                      "algo.correction.normalize_over=all", f"actor.fuse_old_logprobs={str(path == 'fused').lower()}",
                      "actor.max_tokens_per_device=256", "trainer.log_samples=64"], "grpo")
     inputs = validate_inputs(cfg)
-    info, dims, mesh = S.start_processes(cfg)
+    info, dims, mesh = start_processes(cfg)
     CURRENT["rank"] = info.rank
-    tokenizer = S.load_tokenizer(inputs.model_path)
+    tokenizer = load_tokenizer(inputs.model_path)
     rows = inputs.rows[:cfg.trainer.prompts_per_step]
     share = len(rows) // dims.dp
     rows = rows[info.rank * share:(info.rank + 1) * share]
-    texts = S.format_prompts(cfg, rows, tokenizer)
+    texts = format_prompts(cfg, rows, tokenizer)
     params = sampling_params(cfg)
-    actor = S.build_actor(cfg, inputs.model_path, mesh, info.device)
+    actor = build_actor(cfg, inputs.model_path, mesh, info.device)
     engine = build_rollout_engine(cfg, inputs.model_path, tokenizer, info.device, 4096, cfg.trainer.seed + info.rank)
     samples, _ = rollout(engine, tokenizer, inputs.env, rows, texts, params)
     for i, (t, push) in zip((1, 2, 3), ((2, 12.0), (0, -1.0), (3, 1.0))):  # veto; xi = e (high); xi = 1/e (low)

@@ -16,7 +16,7 @@ from sparserl.algo.loss import LossConfig
 from sparserl.config import AlgoConfig
 from sparserl.parallel import ParallelDims, init_distributed, teardown
 from sparserl.trainer.balance import balance_ranks
-from sparserl.trainer.old_logprobs import FusedOldLogprobLoss
+from sparserl.trainer.loss_path import FusedOldLogprobLoss
 
 
 def full_batch() -> TrainBatch:

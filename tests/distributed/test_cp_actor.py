@@ -1,7 +1,7 @@
 """Context parallelism in the actor (parallel.cp): one update with cp > 1 equals the cp = 1 update (fp32, 1e-5).
 
 Real gloo process groups (torchrun) on a tiny random Llama (GQA, 4 query / 2 KV heads): per-token log-probs,
-losses (token and sequence aggregation with an entropy term), every parameter's gradient, the single-update path
+losses (token and sequence aggregation with an entropy term), every parameter's gradient, the fused path
 (logp_old from the update's own forward, correction applied, its metrics), the clipped gradient norm and the
 log-probs after the optimizer step, for (dp, cp, tp) = (1, 2, 1), (1, 3, 1), (2, 2, 1) and (1, 2, 2) against (1, 1, 1), and at cp = 3 on SmolLM2's
 head shape (9 query / 3 KV heads, tied embeddings).

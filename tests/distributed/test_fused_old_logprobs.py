@@ -1,4 +1,4 @@
-"""The single-update path (logp_old from the update's own forward, correction normalizers applied to the
+"""The fused path (logp_old from the update's own forward, correction normalizers applied to the
 accumulated gradient) gives the same loss, gradients and correction metrics as a separate old-log-prob pass,
 with and without the correction, in 1 and 2 processes (fp32)."""
 import os

@@ -1,4 +1,4 @@
-"""Shared prompts through the actor (micro-batching, `balance_ranks`, the single-update loss with the sparsity
+"""Shared prompts through the actor (micro-batching, `balance_ranks`, the fused loss with the sparsity
 correction): the same loss, gradients and correction metrics as without sharing, in 1 and 2 processes."""
 from pathlib import Path
 

@@ -20,7 +20,7 @@ from sparserl.config import AlgoConfig
 from sparserl.parallel import ParallelDims, init_distributed, teardown
 from sparserl.trainer.balance import balance_ranks
 from sparserl.trainer.loss import make_loss_fn
-from sparserl.trainer.old_logprobs import FusedOldLogprobLoss
+from sparserl.trainer.loss_path import FusedOldLogprobLoss
 from tests.distributed.update_worker import fixed_batch
 
 ZERO = {"mixed": [0, 3, 5], "rank0_zero": [0, 1, 2, 3], "all_zero": list(range(8))}

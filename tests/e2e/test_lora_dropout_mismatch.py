@@ -1,4 +1,4 @@
-"""A LoRA actor with adapter dropout on the default single-update path: logp_old must be the old policy's (no
+"""A LoRA actor with adapter dropout on the default fused path: logp_old must be the old policy's (no
 dropout), so a dense run measures no mismatch, with dropout as without it. The update's own forward runs with
 dropout, so the trainer takes the separate pass for logp_old and says why."""
 from __future__ import annotations

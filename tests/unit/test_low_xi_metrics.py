@@ -1,5 +1,5 @@
 """`mismatch/low_xi_*`: the share of sampled tokens with xi = pi_old / pi_sparse < 0.1 (algo/correction.py),
-hand-computed on a tiny batch, and logged the same on both trainer paths (trainer/advantages.py, old_logprobs.py)."""
+hand-computed on a tiny batch, and logged the same on both trainer paths (trainer/advantages.py, loss_path.py)."""
 from __future__ import annotations
 
 import math
@@ -14,7 +14,7 @@ from sparserl.algo.loss import LossConfig
 from sparserl.config import AlgoConfig
 from sparserl.rollout.episode import Sample
 from sparserl.trainer.advantages import set_advantages
-from sparserl.trainer.old_logprobs import FusedOldLogprobLoss
+from sparserl.trainer.loss_path import FusedOldLogprobLoss
 
 F64 = torch.float64
 # xi per token (logp_sparse = 0, logp_old = log xi); the mask marks response tokens (padding after them).
@@ -68,7 +68,7 @@ def test_no_positive_tokens_and_dense_rollouts():
 
 @pytest.mark.parametrize("enable", [False, True])
 def test_both_trainer_paths_log_it_on_the_response_mask(enable):
-    """The separate-pass path (set_advantages after the correction replaced batch.mask) and the single-update path
+    """The separate-pass path (set_advantages after the correction replaced batch.mask) and the fused path
     (FusedOldLogprobLoss.finalize) report the same numbers, taken on the uncorrected response mask."""
     logp_old, logp_sparse, mask, _ = _batch()
     rewards = [1.0, 0.5, 0.0, 0.25]  # n = 4, one group: advantages positive for the first two
@@ -103,7 +103,7 @@ def test_both_trainer_paths_log_it_on_the_response_mask(enable):
 
 def test_the_tail_covers_every_sampled_token_on_every_path_with_overlong_masking():
     """With `algo.overlong.mask`, a length-cut sample leaves the loss but not the sampler's tail: the separate pass
-    (set_advantages), the single-update path (FusedOldLogprobLoss.finalize) and the sampler's record
+    (set_advantages), the fused path (FusedOldLogprobLoss.finalize) and the sampler's record
     (SamplerStats) count the same tokens, all of them."""
     from sparserl.algo.sampler_stats import SamplerStats
     from sparserl.trainer.train_batch import to_train_batch

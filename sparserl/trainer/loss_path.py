@@ -1,7 +1,10 @@
-"""Where the update's logp_old comes from: a separate forward pass before the update, or the update's own forward.
+"""The loss path of a step: where the update's logp_old comes from, and with it where the sparsity correction runs
+and which loss the update takes. Two paths: the separate pass (a forward before the update, the correction on its
+output, then the plain loss) and the fused path (the update's own forward gives logp_old and the correction runs
+inside the loss; `actor.fuse_old_logprobs`).
 
-`OldLogprobs.choose(cfg, actor, loss_cfg, sampled)` returns one of two strategies with the same calls, one per step of
-the trainer that depends on the choice:
+`LossPath.choose(cfg, actor, loss_cfg, sampled)` returns one of the two with the same calls, one per step of the
+trainer that depends on the choice:
   3. `compute(batch, timer)`: logp_old into the batch (the separate pass, inside `timer`), or nothing yet;
   4. `correct(batch)`: the sparse/dense correction before the update, or nothing: it then runs inside the update;
   6. `loss_fn()`: the loss closure of `Actor.update`;
@@ -9,8 +12,7 @@ the trainer that depends on the choice:
 Either strategy hands the dense log-probs it computes of the sparse samples to `sampled` (algo/sampler_stats.py),
 the step's record of the sampler's mismatch before any filter, unless dynamic sampling's rounds did already.
 
-`SeparatePass` is the general path. `FromUpdateForward` (the single-update path) drops one forward over the whole
-batch: with one optimizer step per rollout the old policy IS the learner at the update's first forward, so the
+`SeparatePass` is the general path. `FusedPass` drops one forward over the whole batch: with one optimizer step per rollout the old policy IS the learner at the update's first forward, so the
 detached log-probs of the loss forward are exactly logp_old, and the correction is computed inside the update
 (`FusedOldLogprobLoss`). `fused_old_logprobs` says when that gives the same update, and if not, why.
 Dynamic sampling with the correction applied (trainer/dynamic_sampling.py) needs the rejections before the update
@@ -18,7 +20,7 @@ to drop groups rejected whole: it takes the separate pass, run per rollout round
 logp_old already in the batch. The rescue of rejected samples (`algo.correction.rescue=dense`, trainer/rescue.py)
 needs them before the update too: it takes the separate pass, and splices the redraws' logp_old into the batch.
 
-Left out on purpose: a stale logp_old (reusing the sampler's, or the previous step's) and the single-update path
+Left out on purpose: a stale logp_old (reusing the sampler's, or the previous step's) and the fused path
 for several optimizer steps per rollout (after the first step the learner is no longer the old policy).
 """
 from __future__ import annotations
@@ -70,16 +72,17 @@ def fused_old_logprobs(cfg: Config) -> tuple[bool, str]:
     return True, ""
 
 
-class OldLogprobs:
-    """The trainer's one handle on the old-log-prob choice; see the module docstring for the calls."""
+class LossPath:
+    """The trainer's one handle on logp_old, the correction and the loss (separate or fused); see the module
+    docstring for the calls."""
 
     description: str  # for the run's log: "old log-probs: <description>"
 
     @staticmethod
-    def choose(cfg: Config, actor: Actor, loss_cfg: LossConfig, sampled: SamplerStats | None = None) -> OldLogprobs:
+    def choose(cfg: Config, actor: Actor, loss_cfg: LossConfig, sampled: SamplerStats | None = None) -> LossPath:
         fused, why_not = fused_old_logprobs(cfg)
         if fused:
-            return FromUpdateForward(cfg.algo, loss_cfg, actor.dp_group, sampled)
+            return FusedPass(cfg.algo, loss_cfg, actor.dp_group, sampled)
         return SeparatePass(cfg.algo, loss_cfg, actor, why_not, sampled)
 
     def compute(self, batch: TrainBatch, timer: AbstractContextManager) -> None:
@@ -98,7 +101,7 @@ class OldLogprobs:
         raise NotImplementedError
 
 
-class SeparatePass(OldLogprobs):
+class SeparatePass(LossPath):
     """logp_old from a no-grad forward over the batch before the update; the correction then runs on it (it sets
     the batch's weights and mask), and the update's loss reads them (`make_loss_fn`)."""
 
@@ -127,7 +130,7 @@ class SeparatePass(OldLogprobs):
         return self._metrics
 
 
-class FromUpdateForward(OldLogprobs):
+class FusedPass(LossPath):
     """logp_old from the update's own forward: nothing before the update, a fresh `FusedOldLogprobLoss` per
     update, whose `finalize` leaves logp_old in the batch and the correction metrics on the loss."""
 
@@ -153,7 +156,7 @@ class FromUpdateForward(OldLogprobs):
 
 
 class FusedOldLogprobLoss:
-    """The loss closure of the single-update path: logp_old = the forward's own log-probs, detached.
+    """The loss closure of the fused path: logp_old = the forward's own log-probs, detached.
 
     Each micro-batch decides the correction for its sequences (`token_decisions`: masks, veto, capped weights) and
     computes the loss with the pre-correction token count and unnormalized weights; `finalize` then runs `correct`
