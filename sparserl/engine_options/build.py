@@ -15,7 +15,8 @@ import torch
 
 from sparserl.config import Config
 from sparserl.engines.native.options import NativeOptions
-from sparserl.engines.protocol import RolloutEngine, build_engine
+from sparserl.engines.protocol import RolloutEngine
+from sparserl.engines.registry import build_engine
 from sparserl.engines.sglang.options import SGLangOptions
 from sparserl.engines.types import SamplingParams
 from sparserl.utils.errors import UserError

@@ -1,4 +1,4 @@
-"""The rollout engine protocol and a factory by name.
+"""The rollout engine protocol: what the trainer, the evaluation and the env loop may call on any engine.
 
 An engine turns `GenerationRequest`s into `Generation`s, takes fresh weights from the actor, and can give
 its memory back while the actor trains. Engines agree only on `engines/types.py`; each is built from its own
@@ -9,6 +9,7 @@ KV cache between turns and prefills only the new tokens; one without (SGLang, wh
 prefix cache help) ignores `session_id` / `keep_session`, returns `Generation.session_id = None`, and its
 `end_sessions` does nothing. Either way the caller sends the full history every turn, so the samples are the
 same; `supports_sessions(engine)` reads the flag of any engine, including duck-typed ones without it.
+Engines by name (the built-in ones and those a user registers) are `engines/registry.py`'s.
 """
 from __future__ import annotations
 
@@ -86,31 +87,3 @@ class RolloutEngine(Protocol):
 def supports_sessions(engine: Any) -> bool:
     """Whether `engine` keeps KV between turns; False for engines that do not declare it."""
     return bool(getattr(engine, "supports_sessions", False))
-
-
-_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
-
-
-def register_engine(name: str) -> Callable[[Callable[..., RolloutEngine]], Callable[..., RolloutEngine]]:
-    def deco(builder: Callable[..., RolloutEngine]) -> Callable[..., RolloutEngine]:
-        _ENGINES[name] = builder
-        return builder
-
-    return deco
-
-
-def _load_builtin(name: str) -> None:
-    # Backends import lazily so that, e.g., the CPU install never imports sglang.
-    if name == "native":
-        import sparserl.engines.native.engine  # noqa: F401
-    elif name == "sglang":
-        import sparserl.engines.sglang.engine  # noqa: F401
-
-
-def build_engine(name: str, **kwargs: Any) -> RolloutEngine:
-    """Build the engine registered as `name` (`native`, `sglang`, or one registered by the user)."""
-    if name not in _ENGINES:
-        _load_builtin(name)
-    if name not in _ENGINES:
-        raise ValueError(f"rollout.engine={name!r} is not a known engine; choose one of {sorted(set(_ENGINES) | {'native', 'sglang'})}")
-    return _ENGINES[name](**kwargs)

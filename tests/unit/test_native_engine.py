@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from sparserl.engines.protocol import build_engine
+from sparserl.engines.registry import build_engine
 from sparserl.engines.native.engine import NativeEngine
 from sparserl.model.sampling import processed_logprobs
 from sparserl.engines.types import GenerationRequest, SamplingParams

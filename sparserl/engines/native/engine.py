@@ -32,7 +32,7 @@ from typing import Callable, Hashable, Iterable, Iterator
 import torch
 
 from sparserl.kv import KVPolicyConfig
-from sparserl.engines.protocol import EngineStats, register_engine
+from sparserl.engines.protocol import EngineStats
 from sparserl.engines.native import rescore
 from sparserl.engines.native.compressor import Compressor
 from sparserl.engines.native.decode_cache import resolve_decode_cache
@@ -393,6 +393,5 @@ class NativeEngine:
         self._stats.extra["rollout/rescored_tokens"] = float(self._kv_sums[1])
         self._stats.extra["rollout/kv_mismatch_kl"] = self._kv_sums[0] / max(self._kv_sums[1], 1)
 
-@register_engine("native")
 def build_native_engine(**kwargs) -> NativeEngine:
     return NativeEngine(**kwargs)

@@ -43,7 +43,7 @@ from typing import Any, Callable, Hashable, Iterable
 
 import torch
 
-from sparserl.engines.protocol import EngineStats, register_engine
+from sparserl.engines.protocol import EngineStats
 from sparserl.engines.sglang import KV_ENV, SAMPLER_ENV_FLAG
 from sparserl.engines.sglang.kv_records import RECORD_KEY, PoolCounters, drawn_positions, kv_stats, pool_counters
 from sparserl.engines.sglang.options import SGLangOptions
@@ -380,7 +380,6 @@ def _kv_bytes_per_token(model_path: str, dtype: str) -> int:
     return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=_DTYPES.get(dtype, torch.bfloat16)).element_size()
 
 
-@register_engine("sglang")
 def build_sglang_engine(model_path: str, options: SGLangOptions | None = None, tokenizer=None, seed: int = 0,
                         tp: int = 1) -> SGLangEngine:
     """The engine of this process's tensor-parallel group of size `tp` (its first rank starts SGLang)."""
