@@ -38,10 +38,6 @@ class ParallelDims:
         kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         if kv % self.tp or text.num_attention_heads % self.tp:
             raise UserError(f"parallel.tp={self.tp} must divide the model's attention heads ({text.num_attention_heads}) and KV heads ({kv})")
-        if self.cp > 1:
-            from sparserl.actor.context_parallel import check_model
-
-            check_model(text, self.cp)
 
     def build_mesh(self, device_type: str):
         """The ("dp", "cp", "tp") mesh, row-major: the cp x tp ranks of one DP rank are consecutive, a TP group is

@@ -17,18 +17,33 @@ bias) would replace `_kernel_forward` / `_kernel_backward` only.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from sparserl.actor.context_parallel import ZigzagPlan
 
 # A query tile holds at most this many (query, key) scores (per head for the explicit path): 8M fp32 = 32 MB.
 TILE_SCORES = 1 << 23
 
 Mask = torch.Tensor | Callable[[int, int], torch.Tensor]  # (Tq, Tk) bool, or rows [a, b) of it on demand
+
+
+class RingPlan(Protocol):
+    """What the ring needs of the layout it runs on (`actor/context_parallel.py`'s `ZigzagPlan` is the one): the
+    layout imports the ring, the ring knows the layout only through this."""
+
+    cp: int  # ranks in the ring
+
+    @property
+    def local_len(self) -> int:
+        """Rows each rank holds."""
+
+    def block(self, q_rank: int, k_rank: int, device: torch.device) -> Any:
+        """The visible part of (query rank, key rank): `rows`, `cols` (None: all) and `mask(a, b)`; None when
+        nothing is visible."""
+
+    def visible(self, q_rank: int, k_rank: int) -> torch.Tensor:
+        """The whole (local_len, local_len) bool mask of the pair."""
 
 
 def _flash(device: torch.device) -> bool:
@@ -140,7 +155,7 @@ def _take(x, idx):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: ZigzagPlan, group, scale: float):
+    def forward(ctx, q, k, v, plan: RingPlan, group, scale: float):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         tl, h, d = q.shape
         out = q.new_zeros((tl, h, d), dtype=torch.float32)
@@ -213,7 +228,7 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ZigzagPlan, group=None,
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, group=None,
                    scale: float | None = None) -> torch.Tensor:
     """Exact attention of this rank's local rows over the whole packed row, split over the cp `group` by `plan`.
 
@@ -235,7 +250,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Zigz
     return _RingAttention.apply(q, k, v, plan, group, scale)
 
 
-def _local_attention(q, k, v, plan: ZigzagPlan, scale: float) -> torch.Tensor:
+def _local_attention(q, k, v, plan: RingPlan, scale: float) -> torch.Tensor:
     """cp = 1 without a process group: the same rule on one block, through plain ops (autograd)."""
     g = _groups(q, k)
     qq, kk, vv = _bhtd(q), _expand(k, g), _expand(v, g)
