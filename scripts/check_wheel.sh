@@ -59,7 +59,7 @@ esac
 
 # 128 new tokens: enough to exercise generation, the env and the metrics; the full 512 of configs/eval.yaml would
 # add ~1.5 min of decoding on 2 cores and test nothing more about the package.
-step "python -m sparserl.eval eval.datasets=[gsm8k] eval.limit=4 eval.max_new_tokens=128 (in $TMP/work)"
+step "python -m sparserl.eval 'eval.datasets=[gsm8k]' eval.limit=4 eval.max_new_tokens=128 (in $TMP/work)"
 rc=0
 SPARSERL_CACHE="$TMP/cache" HF_HUB_OFFLINE=1 SPARSERL_PROGRESS=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} \
   "$py" -m sparserl.eval 'eval.datasets=[gsm8k]' eval.limit=4 eval.max_new_tokens=128 eval.output_dir=out \
