@@ -27,8 +27,8 @@ Rounds (`collect`):
      With none to keep, the step trains on round 1's groups as they are and says so in the log; under the
      correction, the groups round 1 did not score (tied rewards) get their dense pass then, so the batch arrives
      with every logp_old.
-With `parallel.tp > 1` only a TP group's owner rolls out; its peers receive each round's samples (`roll` does
-it), so every rank of a TP group judges the same groups and makes the same moves over its DP group.
+With tp or cp > 1 only a replica group's owner rolls out; its peers receive each round's samples (`roll` does
+it), so every rank of a replica group judges the same groups and makes the same moves over its DP group.
 
 Cost: each extra round is a full rollout wait (the slowest sample), plus, with the correction applied, a dense
 pass and, under `rollout.release_weights`, a weight sync to wake the engine again.
@@ -169,7 +169,7 @@ class StepRollout:
     samples: list[Sample]  # to train on, a prompt's n samples together
     logp_old: list[torch.Tensor] | None  # theirs, where the rounds computed them (the correction applied)
     keys: list[tuple[int, int]]  # (round, place in the round's prompts) of each of their groups
-    rolled: list[Sample]  # every sample this rank rolled out (or received from its TP owner) in the step
+    rolled: list[Sample]  # every sample this rank rolled out (or received from its replica group's owner) in the step
     rollout_metrics: dict[str, float]
     engine_stats: EngineStats
     metrics: dict[str, float]  # dynamic/*

@@ -10,8 +10,8 @@ After the step's logp_old pass (trainer/loss_path.py takes the separate pass for
      so a redraw does not depend on the number of processes (`rescue_seed_index`, under the engine seed
      `rescue_seed(seed, step)`, apart from every rollout round's);
   3. hands them to the trainer's `redraw` (the same prompt, one new sample each, through the same env loop as the
-     rollout, the engine woken with fresh weights and generating densely; with tp > 1 the TP owner rolls out and
-     its peers receive the new samples);
+     rollout, the engine woken with fresh weights and generating densely; with tp or cp > 1 the replica group's
+     owner rolls out and its peers receive the new samples);
   4. computes the new samples' logp_old (`dense_logprobs`, a collective: every rank calls it, with no rows where it
      has none) and `splice`s them, samples and log-prob rows, into the rejected samples' places: every group keeps
      its `rollout.n` samples, in order.

@@ -50,6 +50,8 @@ from sparserl.utils.timers import Timers
 
 
 class Trainer:
+    """One GRPO run on this process; see the module docstring."""
+
     def __init__(self, cfg: Config, inputs: Inputs) -> None:
         """`inputs`: the checked inputs of `preflight.validate_inputs`."""
         self.cfg = cfg
@@ -65,8 +67,9 @@ class Trainer:
         self.actor = build_actor(cfg, inputs.model_path, self.mesh, self.info.device)
         self.ref = build_reference(cfg, self.actor, inputs.model_path, self.mesh, self.info.device) if cfg.algo.kl.coef else None
         self._build_engine(inputs.model_path, replica)
+        self.step = self.start = 0  # the last step done, and the step the run goes on from (a resumed one's)
         self.saved = self._saved_state()
-        self.step = self.start = self._resume()
+        self._resume()
         self.logger = open_output(cfg, self.info.rank, self.tokenizer)
         self.logger.truncate_after(self.start if self.start else -1)  # a fresh run also drops an old run's step-0 eval row
         self.sample_log = SampleLog(cfg.trainer.output_dir, cfg.trainer.log_samples, self.info.rank, cfg.algo.correction,
@@ -96,7 +99,7 @@ class Trainer:
     def _saved_state(self) -> SavedState:
         """Every piece of `trainer_state.pt`, once (the keys and their order as checkpoints have always had them)."""
         saved = SavedState()
-        saved.register("step", lambda: self.step, self._set_start)
+        saved.register("step", lambda: self.step, self._resumed_at)
         saved.add("scheduler", self.actor.scheduler)
         saved.add("sampler", self.sampler)
         if self.budget is not None:
@@ -107,8 +110,8 @@ class Trainer:
         resume.register(saved, self.cfg, self.actor)  # what a resume checks and keeps (trainer/resume.py)
         return saved
 
-    def _set_start(self, step: int) -> None:
-        self.start = int(step)
+    def _resumed_at(self, step: int) -> None:
+        self.step = self.start = int(step)
 
     def _set_saved_world(self, world_size: int) -> None:
         self.saved_world = int(world_size)
@@ -117,18 +120,16 @@ class Trainer:
         self.budget.load_state_dict(state)
         self.engine.set_kv_budget(self.budget.budget)
 
-    def _resume(self) -> int:
-        """The step to go on from: 0, or the resumed checkpoint's (model, optimizer and every registered piece
-        loaded). Any number of processes: nothing saved depends on it (actor/checkpoint.py)."""
-        self.start = 0
+    def _resume(self) -> None:
+        """`trainer.resume`: the checkpoint's model, optimizer and every registered piece of trainer state. Any number
+        of processes: nothing saved depends on it (actor/checkpoint.py)."""
         path = checkpoint.resolve_resume(self.cfg.trainer.resume, self.cfg.trainer.output_dir)
         if path is None:
-            return 0
+            return
         self.saved.load_state_dict(checkpoint.load(path, self.actor.model, self.actor.optimizer), path)
         now = self.info.world_size
         log0(f"resumed from {path} at step {self.start}" +
              (f" (saved with {self.saved_world} processes, now {now})" if self.saved_world != now else ""))
-        return self.start
 
     def _build_step_parts(self) -> None:
         """What the steps use: the loss path, the zero-advantage choice, timers, dynamic sampling and the rescue."""

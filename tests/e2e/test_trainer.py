@@ -55,6 +55,16 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+# What `trainer_state.pt` held before the registry of saved state, in order (kv_budget after sampler when set).
+LEGACY_KEYS = ["step", "scheduler", "sampler", "world_size", "tp", "cp", "settings", "consecutive_skips"]
+
+
+def saved_state(out: Path, step: int) -> dict:
+    import torch
+
+    return torch.load(out / "checkpoints" / f"step_{step:06d}" / "trainer_state.pt", weights_only=True)
+
+
 def tiny_args(ckpt, data, env_path, out, steps=2, **extra):
     args = {"model.path": ckpt, "model.compute_dtype": "float32", "rollout.dtype": "float32",
             "data.train_path": data, "env.path": env_path, "trainer.output_dir": out, "trainer.total_steps": steps,
@@ -116,6 +126,8 @@ def test_resume_matches_uninterrupted_run(tiny_checkpoint, task, tmp_path):
         assert res.returncode == 0, res.stderr[-3000:]
     a, b = read_metrics(full), read_metrics(cut)
     assert [m["step"] for m in b] == [1, 2, 3]
+    # The trainer state holds the keys, in the order, checkpoints have always had (trainer/saved_state.py).
+    assert list(saved_state(cut, 2)) == LEGACY_KEYS and saved_state(cut, 2)["step"] == 2
     timing = ("perf/", "mem/", "kv/compress_s")
     for key, value in a[2].items():
         if not key.startswith(timing):
@@ -169,6 +181,8 @@ def test_auto_kv_budget_follows_the_tail_and_resumes(tiny_checkpoint, task, tmp_
     assert res.returncode == 0, res.stderr[-3000:]
     resumed = read_metrics(cut)
     assert [m["step"] for m in resumed] == [1, 2, 3]
+    keys = LEGACY_KEYS[:3] + ["kv_budget"] + LEGACY_KEYS[3:]
+    assert list(saved_state(cut, 2)) == keys and saved_state(cut, 2)["kv_budget"]["budget"] == metrics[2]["kv/budget"]
     for key, value in metrics[2].items():
         if not key.startswith(("perf/", "mem/", "kv/compress_s")):
             assert resumed[2][key] == value, key
