@@ -1,7 +1,8 @@
 """What a checkpoint records of the run that saved it, and what a resumed run (`trainer.resume`) does with it.
 
 `trainer_state.pt` holds `settings` (the keys below, as the saving run had them once `auto` was resolved) and
-`consecutive_skips` (the non-finite guard's count, actor/actor.py). On resume, before any model is built:
+`consecutive_skips` (the non-finite guard's count, actor/actor.py), both registered in the trainer's registry of
+saved state by `register` (trainer/saved_state.py). On resume, before any model is built:
   - `FIXED`: the LoRA adapter's rank, alpha, dropout and target modules. Another value would silently change what
     the saved adapters mean (alpha rescales B @ A; other targets drop or add adapters), so a resume that gives one
     is refused with one line naming the key, the saved value and the given one.

@@ -1,5 +1,5 @@
-"""`ParallelDims.replica_group`: each tensor-parallel group's owner (with cp > 1: each DP rank's first rank) hands objects
-to its own peers, over gloo.
+"""`ParallelDims.replica_group`: the owner of each data-parallel replica's cp x tp ranks (its first rank; with cp = 1
+the tensor-parallel group's) hands objects to its own peers, over gloo.
 
 Four real processes (gloo) in the (dp, tp) = (2, 2) layout and in (4, 1): the side groups are the TP groups
 of the mesh (consecutive ranks), each peer receives its own owner's object and no other, a group's objects
@@ -19,18 +19,18 @@ def _worker(rank: int, world: int, tp: int, init: str, out: str, cp: int = 1) ->
     try:
         dims = ParallelDims.from_world(world, tp, cp)
         mesh = dims.build_mesh("cpu")
-        share = dims.replica_group(rank)
+        replica = dims.replica_group(rank)
         seen = []
         for call in range(3):
             # Only the owner's object is real; a peer passes its own, which must be ignored.
             mine = {"from": rank, "call": call, "payload": list(range(rank * 10 + call))}
-            seen.append(share.from_owner(mine if share.is_owner else {"from": rank, "peer": True}))
-        result = {"owner": share.owner, "is_owner": share.is_owner, "seen": seen,
-                  "group": None if share.group is None else (dist.get_backend(share.group),
-                                                             dist.get_process_group_ranks(share.group)),
+            seen.append(replica.from_owner(mine if replica.is_owner else {"from": rank, "peer": True}))
+        result = {"owner": replica.owner, "is_owner": replica.is_owner, "seen": seen,
+                  "group": None if replica.group is None else (dist.get_backend(replica.group),
+                                                             dist.get_process_group_ranks(replica.group)),
                   "mesh_tp": dist.get_process_group_ranks(mesh["tp"].get_group()) if tp > 1 else None,
                   "mesh_cp": dist.get_process_group_ranks(mesh["cp"].get_group()) if cp > 1 else None,
-                  "passthrough": share.from_owner(mine) is mine}
+                  "passthrough": replica.from_owner(mine) is mine}
         with open(f"{out}.{rank}", "wb") as f:
             pickle.dump(result, f)
     finally:
