@@ -30,6 +30,7 @@ def whole(grads: dict) -> torch.Tensor:
     return torch.cat([g.flatten() for _, g in sorted(grads.items())])
 
 
+@pytest.mark.slow
 def test_fused_matches_separate_pass(tiny_checkpoint, tmp_path):
     one = run(tiny_checkpoint, tmp_path / "one.pt", 1)
     two = run(tiny_checkpoint, tmp_path / "two.pt", 2)

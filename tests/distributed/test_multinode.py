@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -16,6 +18,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_train_two_steps(tiny_checkpoint, tmp_path):
     rows = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with just the number."}], "answer": str(a + b)}
             for a, b in [(1, 1), (2, 3), (4, 4), (5, 1)]]

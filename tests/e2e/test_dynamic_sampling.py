@@ -36,6 +36,7 @@ def task(tmp_path_factory):
     return write_data(root / "train.jsonl", rows), env
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_resume_in_the_middle_matches_the_uninterrupted_run(tiny_checkpoint, task, tmp_path):
     data, env = task

@@ -122,6 +122,7 @@ def uninterrupted(tiny_checkpoint, slow_task, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_sigterm_mid_step_saves_that_step_and_resume_matches(tiny_checkpoint, slow_task, tmp_path, uninterrupted):
     data, env = slow_task
     out = tmp_path / "preempted"
@@ -146,6 +147,7 @@ def test_sigterm_mid_step_saves_that_step_and_resume_matches(tiny_checkpoint, sl
     assert_same_run(uninterrupted, out)
 
 
+@pytest.mark.slow
 def test_kill_9_of_one_rank_then_resume_loses_nothing(tiny_checkpoint, slow_task, tmp_path, uninterrupted):
     data, env = slow_task
     out = tmp_path / "killed"
@@ -200,6 +202,7 @@ def _assert_close(ref: Path, got: Path, rel: float = 1e-6) -> None:
         assert (wa[k] - wb[k]).abs().max().item() <= rel * max(scale, 1e-12), k
 
 
+@pytest.mark.slow
 def test_elastic_resume_on_another_number_of_processes(tiny_checkpoint, task_args, tmp_path):
     """Saved with N processes, resumed with M: step 3's loss and the weights after it equal (1e-6 rel) a resume
     on the same number of processes, i.e. a run that never changed world size. 2 -> 1, 2 -> 4, 1 -> 2."""

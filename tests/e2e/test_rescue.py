@@ -33,6 +33,7 @@ def task(tmp_path_factory):
     return write_data(root / "train.jsonl", rows), env
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_rejected_samples_are_rolled_out_again_densely_and_resume_is_exact(tiny_checkpoint, task, tmp_path):
     data, env = task

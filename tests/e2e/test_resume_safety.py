@@ -56,6 +56,7 @@ def last_line(stderr: str) -> str:
     return [line for line in stderr.strip().splitlines() if line.strip()][-1]
 
 
+@pytest.mark.slow
 def test_lora_resume_refuses_changed_settings_and_restores_precision_and_skips(tiny_checkpoint, task, tmp_path):
     data, env = task
     out = tmp_path / "lora"
@@ -105,6 +106,7 @@ def test_lora_resume_refuses_changed_settings_and_restores_precision_and_skips(t
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_default_settings_checkpoint_at_an_interval_and_sigkill_resume_loses_at_most_it(tiny_checkpoint, task,
                                                                                         tmp_path):
     data, env = task

@@ -38,6 +38,7 @@ def _expected_tail(records: list[dict], q: float = 0.05) -> tuple[float, int, in
     return histogram_quantile(_log_xi_histogram(values), q), values.numel(), len(seen)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_budget_controller_reads_the_sampler_s_tail_before_dynamic_sampling_drops_groups(tiny_checkpoint, tmp_path):
     import subprocess

@@ -89,6 +89,7 @@ def one_process(tiny_checkpoint, tmp_path_factory):
     return metrics, calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp, tp", [(1, 2), (2, 2)])
 def test_tp_peers_train_on_the_owners_samples(tiny_checkpoint, one_process, tmp_path, dp, tp):
     ref_metrics, ref_calls = one_process

@@ -20,6 +20,7 @@ from sparserl.config.checks import FREE, RANGES, RULES
 from tests.launch import command
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # ~180 command lines (the module's set-up: about 2 minutes on the CI machine)
 WORKERS = 4  # subprocesses at once: most of their time is interpreter start-up and imports
 SLOW = ("chat_template_rejects", "model_path_file", "model_path_missing", "openreward_serve_class")  # they import torch: started first
 

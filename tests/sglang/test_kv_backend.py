@@ -90,6 +90,7 @@ def dense_runs(hosts):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0, max_new_tokens=48, n=2, seed=3, ignore_eos=True)])
 def test_budget_above_the_sequence_changes_nothing(params, wide_host, dense_runs):
     wide = wide_host
@@ -132,6 +133,7 @@ def test_same_tokens_and_kept_positions_as_the_native_engine(rkv_host, tokenizer
     assert any(layer[0] != layer[1] for t in trace.values() for kept in t for layer in kept)
 
 
+@pytest.mark.slow
 def test_compressed_requests_outnumber_the_dense_pool_and_every_slot_returns(rkv_host):
     rkv = rkv_host
     for round_ in range(2):

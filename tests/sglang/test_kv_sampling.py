@@ -63,6 +63,7 @@ def rollouts(sampled_host, hosts):
     return sparse, sampled_host.draw_trace(), sampled_host.stats(), hosts("llama").generate(requests())
 
 
+@pytest.mark.slow
 def test_every_token_draws_with_the_key_of_its_logical_position(rollouts):
     sparse, trace, _, _ = rollouts
     assert len(sparse) == PROMPTS * N
@@ -90,6 +91,7 @@ def test_bookkeeping_syncs_at_most_once_per_decode_step(rollouts):
     assert stats.extra["kv/host_syncs"] == 0, stats.extra
 
 
+@pytest.mark.slow
 def test_query_ring_is_freed_on_sleep(sampled_host, rollouts):
     _, _, stats, _ = rollouts
     assert stats.extra["kv/query_buffer_mb"] > 0

@@ -39,6 +39,7 @@ def test_a_peer_engine_does_not_generate(tiny_checkpoint):
         peer.generate([GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=2))])
 
 
+@pytest.mark.slow
 def test_tp2_engine_serves_the_group_and_rank0_alone_runs_the_env(tiny_checkpoint, tmp_path):
     env_path, calls, out = tmp_path / "rank_env.py", tmp_path / "calls", tmp_path / "run"
     env_path.write_text(RANK_ENV)

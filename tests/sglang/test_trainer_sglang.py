@@ -35,6 +35,7 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_fp32_rollouts_match_the_actor_before_and_after_a_weight_sync(tiny_checkpoint, tmp_path):
     # fp32 engine and actor: the sampler's log-probs equal the actor's recompute up to float noise, also at
     # step 2, whose rollout runs on weights the update changed (lr 1e-3) and weight sync pushed into SGLang.
@@ -57,6 +58,7 @@ def test_fp32_rollouts_match_the_actor_before_and_after_a_weight_sync(tiny_check
     golden.check("sglang_tiny_fp32", rows, near=("mismatch/", "sampler/"), coarse=("mismatch/xi_p", "sampler/xi_p"))
 
 
+@pytest.mark.slow
 def test_two_steps_of_the_default_task(tmp_path):
     out = tmp_path / "default"
     torchrun([f"trainer.output_dir={out}", "trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.n=4"])

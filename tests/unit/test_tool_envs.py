@@ -234,6 +234,7 @@ def test_driver_turns_against_a_served_env(server, tokenizer):
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_16_sessions_with_the_native_engine_mask_exactly_the_model_tokens(server, tool_model):
     """3 calculator tasks and 1 guessing game, 4 samples each: 16 sessions open at once. Every calculator
     trajectory calls `calc`, reads "42" and answers 42 (scored by the task's verifier); every game trajectory
@@ -331,6 +332,7 @@ class _StopAfterFirstTurn:
         return out
 
 
+@pytest.mark.slow
 def test_faults_end_only_their_samples(server, tool_model, caplog):
     """A tool that raises (ToolFailed: status error), a tool call that hangs past env.step_timeout_s (status
     timeout) and an env server that goes away mid-run (its samples: error or timeout) end only their own
