@@ -35,6 +35,7 @@ import json
 import os
 import runpy
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -64,6 +65,21 @@ def command(nproc: int, *target: str) -> list[str]:
     if server is not None:
         return server.command(nproc, *target)
     return [sys.executable, *target] if nproc == 1 else [sys.executable, LAUNCH, f"--nproc={nproc}", *target]
+
+
+def driver(folder, script: str) -> list[str]:
+    """The command line that runs `script` (a driver such as benchmarks/replicate_gain.py, followed by its arguments)
+    as `python script`, except that the Python processes it starts itself (`[sys.executable, "-m", module, ...]` or
+    `[sys.executable, other_script, ...]`) run through this session's fork server: its `sys.executable` is an
+    executable file written in `folder` that hands its arguments to the server as one process. Without a server
+    (`SPARSERL_TEST_FORK_SERVER=0`) that file runs Python itself."""
+    shim = os.path.join(str(folder), "python")
+    with open(shim, "w") as f:
+        f.write("#!/bin/sh\nexec " + " ".join(shlex.quote(a) for a in command(1)) + ' "$@"\n')
+    os.chmod(shim, 0o755)
+    boot = ("import os, runpy, sys; sys.executable = sys.argv.pop(1); sys.argv.pop(0); "
+            "sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0])); runpy.run_path(sys.argv[0], run_name='__main__')")
+    return [sys.executable, "-c", boot, shim, str(script)]
 
 
 class Server:

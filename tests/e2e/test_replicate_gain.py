@@ -10,26 +10,31 @@ from pathlib import Path
 
 import pytest
 
+from tests.launch import driver
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ("dense", "tail", "rescue")  # the quick pipeline's configurations
 sys.path.insert(0, str(ROOT))
 
 
-def _script(*argv, timeout=900):
+def _script(folder, *argv, timeout=900):
+    """The driver as `python benchmarks/replicate_gain.py ...`; the runs and evals it starts go through the test
+    session's fork server (tests/launch.py), which has imported torch and transformers once for all of them."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0"}
-    res = subprocess.run([sys.executable, "benchmarks/replicate_gain.py", *map(str, argv)], env=env,
+    res = subprocess.run(driver(folder, "benchmarks/replicate_gain.py") + list(map(str, argv)), env=env,
                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
     return res.stdout
 
 
+@pytest.mark.slow
 def test_quick_mode_records_every_run_and_resumes_from_the_records(tiny_checkpoint, tmp_path):
     out = tmp_path / "gain"
     # naive_sparse and sparse_rl are tail and rescue without their extra machinery: their commands are checked by
     # the dry run below, and the pipeline here runs the three that exercise every code path (5 runs instead of 9).
     quick = ("--quick", "--model", tiny_checkpoint, "--out", out, "--precision", "float32", "--configs", *CONFIGS,
              "--jobs", "2")  # two runs at a time (one thread each): the runs' output goes to their logs
-    first = _script(*quick)
+    first = _script(tmp_path, *quick)
     records = out / "records"
     names = ["dense_seed0"] + [f"{s}_{c}_seed0" for s in ("loose", "tight") for c in CONFIGS[1:]]
     for name in names:
@@ -55,7 +60,7 @@ def test_quick_mode_records_every_run_and_resumes_from_the_records(tiny_checkpoi
     assert (out / "loose_reward.png").stat().st_size > 0 and (out / "tight_diagnostics.png").stat().st_size > 0
     assert "[2/5] loose_tail_seed0" in first
 
-    again = _script(*quick)
+    again = _script(tmp_path, *quick)
     assert again.count("recorded, not rerun") == len(names) and "(0 runs in" in again
 
 

@@ -9,16 +9,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.launch import driver
+
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ("dense", "naive_sparse", "sparse_rl")
 sys.path.insert(0, str(ROOT))
 
 
+@pytest.mark.slow
 def test_quick_mode_runs_every_config(tiny_checkpoint, tmp_path):
     out = tmp_path / "long"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0"}
-    res = subprocess.run([sys.executable, "benchmarks/replicate_long.py", "--quick", "--model", str(tiny_checkpoint),
-                          "--out", str(out), "--jobs", "2"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    # The runs and evals the driver starts go through the test session's fork server (tests/launch.py).
+    res = subprocess.run(driver(tmp_path, "benchmarks/replicate_long.py") + [
+        "--quick", "--model", str(tiny_checkpoint), "--out", str(out), "--jobs", "2"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
 
     for preset in PRESETS:

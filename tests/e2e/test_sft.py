@@ -4,8 +4,10 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
+
+import pytest
+
 from tests.launch import command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -13,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def sft(args, timeout=120):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0"}
-    return subprocess.run([sys.executable, "-m", "sparserl.trainer.sft", *args], env=env, capture_output=True, text=True,
+    return subprocess.run(command(1, "-m", "sparserl.trainer.sft", *args), env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 
@@ -44,6 +46,7 @@ def test_sft_on_env_examples_exports_a_loadable_policy(tiny_checkpoint, tmp_path
     assert (out / "hf" / "tokenizer.json").exists() and (out / "config.yaml").exists()
 
 
+@pytest.mark.slow
 def test_sft_on_a_jsonl_file_and_bad_rows(tiny_checkpoint, tmp_path):
     rows = [{"prompt": [{"role": "user", "content": f"Say {i}."}], "response": f"{i}"} for i in range(3)]
     data = tmp_path / "sft.jsonl"
@@ -62,6 +65,7 @@ def test_sft_on_a_jsonl_file_and_bad_rows(tiny_checkpoint, tmp_path):
     assert "Traceback" not in res.stderr and not never.exists()
 
 
+@pytest.mark.slow
 def test_sft_with_context_parallelism_equals_one_process(tiny_checkpoint, tmp_path):
     """torchrun with parallel.cp=2: every example split over two ranks (ring attention) trains exactly like one
     process: the same losses, gradient norms and exported weights, to 1e-5. (A small lr: AdamW divides by
