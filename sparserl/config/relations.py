@@ -109,7 +109,7 @@ def _openreward(cfg) -> None:
     specs = parse_envs(o.envs)
     if not specs and (o.serve or o.base_url):
         raise ConfigError(f"env.openreward.{'serve' if o.serve else 'base_url'} is set but env.openreward.envs is empty: "
-                          "name the environments to train on (env.openreward.envs={Org/Name: {}})")
+                          "name the environments to train on ('env.openreward.envs={Org/Name: {}}')")
     if o.serve and o.base_url:
         raise ConfigError(f"env.openreward.serve={o.serve} and env.openreward.base_url={o.base_url}: give one (a served "
                           "file gets its own local URL)")

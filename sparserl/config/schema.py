@@ -51,8 +51,8 @@ class ModelConfig:
     dtype: str = opt("float32", "master weights and optimizer state", **DTYPES)
     compute_dtype: str = opt("auto", "forward/backward (FSDP2 mixed precision); auto: bf16 where the hardware runs "
                                      "it fast, else fp32", **AUTO_DTYPES)
-    activation_checkpointing: bool = opt(True, "recompute each layer in backward: ~4x less update memory, ~same "
-                                               "speed on CPU (benchmarks/update_knobs.py)")
+    activation_checkpointing: bool = opt(True, "recompute each layer in backward: much less update memory for "
+                                               "one more forward (docs/performance.md, benchmarks/update_knobs.py)")
     allow_pickle_weights: bool = opt(False, "load a local checkpoint whose weights are pickle files (.bin/.pt), "
                                             "not safetensors")
 
@@ -80,7 +80,7 @@ class OpenRewardConfig:
     envs: dict[str, Any] = opt({}, "Org/Name -> {splits, num_samples, nonterminal_reward, reward_reduction, "
                                    "min_reward, max_reward, max_turns, weight, variant} "
                                    "(sparserl/rollout/openreward/spec.py); on the command line: "
-                                   "env.openreward.envs={Org/Name: {weight: 2}}")
+                                   "'env.openreward.envs={Org/Name: {weight: 2}}'")
     base_url: str = opt("", "the environment server; empty: OpenReward's hosted service (or the server of "
                             "env.openreward.serve)")
     api_key_env: str = opt("OPENREWARD_API_KEY", "the environment variable holding the API key (the key is never "
@@ -141,13 +141,14 @@ class RolloutConfig:
     quantize_lm_head: bool = opt(False, "quantize the LM head too (embeddings and norms always stay in "
                                         "rollout.dtype)")
     decode_cache: str = opt("auto", "native engine: on | off | auto (= on for CPU engines): contiguous per-sequence "
-                                    "K/V copies for decode attention, no per-layer gather (CPU: ~1.35x faster decode "
-                                    "at batch 64, those entries held twice; engines/native/decode_cache.py)",
+                                    "K/V copies for decode attention, no per-layer gather (faster decode on CPU, "
+                                    "those entries held twice; engines/native/decode_cache.py, docs/performance.md)",
                             choices=("auto", "on", "off"))
     prepack: str = opt("auto", "native engine: auto | on | off | onednn | mkl (auto = on for CPU engines in float32, "
                                "unquantized): linear weights also kept packed for the decode batch's GEMMs, in "
-                               "MKL's layout on Intel CPUs and oneDNN's elsewhere (onednn / mkl: that one); 1.2-1.6x "
-                               "faster decode GEMMs, the linear weights held twice; engines/native/prepack.py",
+                               "MKL's layout on Intel CPUs and oneDNN's elsewhere (onednn / mkl: that one); faster "
+                               "decode GEMMs, the linear weights held twice; engines/native/prepack.py, "
+                               "benchmarks/prepack.py",
                        choices=("auto", "on", "off", "onednn", "mkl"))
     rescore_seqs: int = opt(0, "measure-only: per engine and step, re-score this many sequences densely "
                                "(rollout/kv_mismatch_kl)", rule=NON_NEG)

@@ -18,9 +18,9 @@ Both engines derive the seed the same way (`utils.seed.sample_seed`), so on the 
 tokens.
 
 No device-to-host synchronization: the per-row settings come from the host (`RowSettings.from_rows`, built
-from the requests' parameters), and the keys are a few integer kernels over (B,) tensors. Cost per step at
-batch 64 over SmolLM2's 49152 tokens on a 2-core CPU: ~10 ms (exp, cumulative sum, search), against ~50 ms for
-64 seeded vocabulary-sized draws and the exponential race over them.
+from the requests' parameters), and the keys are a few integer kernels over (B,) tensors. A step costs one pass
+over the probabilities (exp, cumulative sum, search), much less than a seeded vocabulary-sized draw per row and the
+exponential race over them (docs/performance.md has the decode step's breakdown).
 
 Pure tensor code, no sglang import. Left out on purpose: min-p, penalties and logit bias (not part of RL
 rollouts here).
@@ -74,8 +74,8 @@ def row_uniform(keys: torch.Tensor) -> torch.Tensor:  # (B,) float64 in (0, 1)
 
 # On CPU the draw's two (B, V) temporaries (the probabilities, their float64 cumulative sum: 12 + 25 MB at batch 64
 # over a 49k vocabulary) are kept for the next step instead of made anew: a fresh tensor of that size is a fresh
-# mapping whose every page faults in on first touch, which cost 15-30 ms per decode step on an AMD EPYC VM (the
-# whole draw took 16-35 ms inside the engine, ~10 ms on reused memory). Per thread, and only up to this size (a
+# mapping whose every page faults in on first touch, which on an AMD EPYC VM cost more than the draw's arithmetic
+# (docs/performance.md). Per thread, and only up to this size (a
 # 152k vocabulary at batch 64 is 117 MB; larger batches draw into fresh memory as before). The buffers are made outside
 # inference mode whatever the caller's mode: a normal tensor may be written under inference mode, no_grad or neither,
 # while one made under inference mode could never be written outside it again (an engine draws under inference mode,

@@ -99,7 +99,7 @@ def resolve_spec(entry: Any, i: int, data_dir: Path) -> EvalSetSpec:
 def load_eval_sets(cfg: EvalConfig) -> list[EvalSet]:
     """Every entry of `cfg.datasets`, read and checked; raises UserError before anything is written."""
     if not cfg.datasets:
-        raise UserError("eval.datasets is empty; e.g. eval.datasets=[gsm8k,mawps] (shared sets: " + ", ".join(SHARED) + ")")
+        raise UserError("eval.datasets is empty; e.g. 'eval.datasets=[gsm8k,mawps]' (shared sets: " + ", ".join(SHARED) + ")")
     data_dir = Path(cfg.data_dir).expanduser() if cfg.data_dir else DEFAULT_DATA_DIR
     sets, names = [], set()
     for i, entry in enumerate(cfg.datasets):

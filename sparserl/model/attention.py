@@ -94,10 +94,9 @@ def _decode_attention(q, k_cache, v_cache, ctx: ForwardContext, scaling: float |
     """One query per sequence over its cached entries: (Bd, H, D) -> (Bd, H, D).
 
     The gathered keys/values stay strided views (Bd, H_kv, L, D) and go to SDPA with the query heads of one KV
-    head as its query rows, (Bd, H_kv, G, D): no copy to make them contiguous, no GQA expansion. Measured at
-    SmolLM2's shapes (9 query / 3 KV heads, D 64, L 180, fp32, 2 threads; benchmarks/decode_attention.py):
-    2.3 ms per layer at batch 64 against 5-11 ms for the earlier grouped matmuls over the same views, and
-    not slower at batch 1 or 16. The gather uses index_select (advanced indexing with a 2-D index is much
+    head as its query rows, (Bd, H_kv, G, D): no copy to make them contiguous, no GQA expansion. At SmolLM2's
+    shapes this was faster than grouped matmuls over the same views at batch 64 and not slower at batch 1 or 16
+    (benchmarks/decode_attention.py times both). The gather uses index_select (advanced indexing with a 2-D index is much
     slower on CPU).
     """
     bd, H, D = q.shape

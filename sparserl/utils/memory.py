@@ -18,22 +18,22 @@ more is its own mapping, returned to the OS when freed. Measured on one actor up
 environment, or `SPARSERL_MALLOC_TUNE=0`, leaves glibc as it is.
 
 The price of a fixed threshold is a page fault per 4 KiB page each time such a tensor is made: on this project's
-2-core CPU an elementwise op on a fresh 25 MB tensor took 7.3 ms against 0.9 ms on recycled heap memory. So
+2-core CPU an elementwise op on a fresh 25 MB tensor took several times as long as on recycled heap memory. So
 `tune_malloc` also asks torch for transparent huge pages (`THP_MEM_ALLOC_ENABLE=1`: the memory of tensors of 2 MB
-or more is `madvise(MADV_HUGEPAGE)`d, one fault per 2 MB; 2.4 ms on the same op) where the kernel offers them
+or more is `madvise(MADV_HUGEPAGE)`d, one fault per 2 MB) where the kernel offers them
 (`/sys/kernel/mm/transparent_hugepage/enabled` not `never`). torch reads the variable at its first CPU allocation;
 the entry points call `tune_malloc` in `run_main`, after imports that allocate none (tests/unit/test_utils.py
-checks that the setting takes). Measured on the comparison workload (benchmarks/train_step.py `--workload mawps`,
-one process): 102 -> 87 s per step (update 73 -> 60 s), the peak unchanged (4.12 vs 4.10 GB); glibc's own dynamic
-threshold was as fast but peaked at 5.66 GB.
+checks that the setting takes). On the comparison workload (benchmarks/train_step.py `--workload mawps`, one
+process) the huge pages made the update faster at the same peak, while glibc's own dynamic threshold was as fast
+but peaked higher (docs/performance.md).
 `reuse_heap()` (around the actor's compute: the update and the log-prob passes) lifts the threshold to glibc's
 largest, 32 MiB, for the duration (and the heap-top trim threshold to 64 MiB, so a block freed at the top stays
 for the next one) and puts both back after (1 MiB, glibc's default 128 KiB), with a `malloc_trim`. The update's tensors are
 mostly 1-32 MB (a 4096-token micro-batch's activations are 7-18 MB), freed and made again layer after layer: on the
-heap they reuse the same pages, where fresh mappings fault in and zero every page each time. Measured on the
-comparison workload (one process, a 2-core Xeon; docs/performance.md): update 55-59 -> 45-50 s per step, update peak
-3.3 -> 3.9-4.3 GB, below the rollout's ~4.5-4.6 GB, which keeps the 1 MiB threshold (32 MiB for the whole run raised
-the rollout's peak to 4.9 GB and did not speed decoding up).
+heap they reuse the same pages, where fresh mappings fault in and zero every page each time. On the comparison
+workload (one process, a 2-core Xeon; docs/performance.md) the update got faster and its peak rose but stayed below
+the rollout's, which keeps the 1 MiB threshold (32 MiB for the whole run raised the rollout's peak and did not speed
+decoding up).
 The native engine's decode steps were not measurably faster with the heap (a 32 MiB threshold while it
 generates): at batch 64 their tensors are mostly below 1 MiB, and the step is its GEMMs and its attention.
 The module imports torch only where CUDA is asked about, so the entry points' start-up (`tune_malloc`) and their

@@ -62,7 +62,7 @@ def _time_matmuls(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> float:
 def probe_cpu_bf16_speedup(rounds: int = 5) -> float:
     """fp32 time / bf16 time of the probe (> 1: bf16 is faster): the best of `rounds` runs of each, taken in
     turns, so that a burst of load on a shared machine slows both sides instead of flipping the answer (timed one
-    dtype after the other, a busy moment once made an AMX CPU's bf16 look 0.71x as fast as fp32 in one call and
+    dtype after the other, a busy moment once made an AMX CPU's bf16 look slower than fp32 in one call and
     faster in the next)."""
     inputs = {dtype: _probe_inputs(dtype) for dtype in (torch.float32, torch.bfloat16)}
     best = {dtype: float("inf") for dtype in inputs}

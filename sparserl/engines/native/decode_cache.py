@@ -12,9 +12,9 @@ The pool stays the source of truth (compression scores and compacts there; forks
 Memory: the copy holds the decoding sequences' entries a second time, padded to the longest (its width in
 multiples of 64 entries, sized for what the decoding sequences can reach when that is within 2x of the need:
 `reserve`). Measured on this project's 2-core CPU (SmolLM2-135M fp32, batch 64, 128 new tokens, `python
-benchmarks/rollout_throughput.py --engine native native:cache --batch 64`): 1.16x the decode throughput, for
-~0.75 GB more at the rollout's peak in a one-process GRPO step (where it moved the step's peak from the update to
-the rollout). KV memory is what sparse rollouts exist to save, so the default is `off`; `auto` turns it on for
+benchmarks/rollout_throughput.py --engine native native:cache --batch 64`): more decode throughput, for the
+entries held twice at the rollout's peak in a one-process GRPO step, where it moved the step's peak from the update
+to the rollout (docs/performance.md). KV memory is what sparse rollouts exist to save, so the default is `off`; `auto` turns it on for
 CPU engines only (on CUDA the gather is cheap).
 """
 from __future__ import annotations

@@ -15,8 +15,8 @@ packed, and the engine holds its linear weights packed in one of them (the kerne
   nothing from packing, and the plain GEMMs run.
 
 Which is faster depends on the CPU, so `auto`/`on` pick by vendor (`default_kernel`): MKL's on Intel CPUs, where its
-packed GEMM ran SmolLM2-135M's decode-step GEMMs 1.2-1.6x faster than the plain ones (M = 4-256, an AVX-512 Xeon), and
-oneDNN's elsewhere: on an AVX2 AMD EPYC, MKL's packed GEMM was slower than the plain one and oneDNN's 1.2-1.6x faster
+packed GEMM ran SmolLM2-135M's decode-step GEMMs faster than the plain ones (M = 4-256, an AVX-512 Xeon), and
+oneDNN's elsewhere: on an AVX2 AMD EPYC, MKL's packed GEMM was slower than the plain one and oneDNN's faster
 (M = 4-64; docs/performance.md, `benchmarks/prepack.py` measures all three on the machine at hand). The rule is
 fixed rather than timed at start-up because the two kernels round differently (below): a choice that flipped with
 the machine's load would change sampled tokens between runs of the same seed. `mkl` or `onednn` name one.
@@ -31,8 +31,8 @@ packed copy holds the linear weights a second time (the embeddings excepted), dr
 
 With oneDNN's packing, projections that read the same input are packed as one weight (`FUSED_GROUPS`: an attention
 layer's q/k/v, a gated MLP's gate/up): the first of them (the leader) runs one GEMM for all and hands each its
-columns of the output. A decode step then runs 4 GEMMs per layer instead of 7; at SmolLM2-135M's shapes that was
-5-10% less GEMM time per decode step, and every column has the separate GEMM's bits (oneDNN sums each output over
+columns of the output. A decode step then runs 4 GEMMs per layer instead of 7 (less GEMM time per decode step at
+SmolLM2-135M's shapes, docs/performance.md), and every column has the separate GEMM's bits (oneDNN sums each output over
 the input features in the same order whatever the other columns are: equal bits at M = 1-64 in every check).
 A follower hands out its columns only for the very input the leader just ran on (the same tensor object, and outside
 inference mode unchanged since); any other input runs its own plain GEMM.

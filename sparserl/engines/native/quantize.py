@@ -8,7 +8,7 @@ Schemes, all symmetric with one scale per output channel (row of the weight):
 
 - `int8`: weight-only. q = round(w / s), s = max|w_row| / 127, so each dequantized entry is within s / 2 of
   w. Kernels: `fused` is torch's int8 weight-only matmul (`torch._weight_int8pack_mm`); on CPU its float32
-  path is a reference loop (~50x slower than a float32 matmul on AVX2), so float32 activations are rounded
+  path is a reference loop (far slower than a float32 matmul on AVX2), so float32 activations are rounded
   to bf16 for it (that rounding is part of the measured mismatch). `dequant` multiplies the int8 weight
   back into the activation dtype for each matmul (exact int8-weight semantics, no kernel needed). `auto`
   takes `fused` wherever the kernel runs and `dequant` elsewhere.

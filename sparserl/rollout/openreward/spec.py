@@ -1,7 +1,7 @@
 """`env.openreward.envs`: the OpenReward environments of a run, checked and typed.
 
 The config holds a plain map `Org/Name -> {field: value}` (a YAML mapping, or on the command line
-`env.openreward.envs={Org/Name: {weight: 2}}`; dotted keys cannot hold the `/`). `parse_envs` turns it into
+`'env.openreward.envs={Org/Name: {weight: 2}}'`; dotted keys cannot hold the `/`). `parse_envs` turns it into
 `EnvSpec`s and names the offending key, with the closest valid field names, for any mistake. Imports
 nothing heavy: the preflight runs it before torch or the OpenReward SDK are loaded.
 
