@@ -6,7 +6,7 @@ sparserl/algo/; a rule relating two keys of one group is in its class's `RELATIO
 different groups in `CROSS_CHECKS` (sparserl/config/relations.py). `RULES` maps every checked key of the schema
 to its `Rule`, a test and its wording (`> 0`, `in [0, 1)`, `one of none, rkv, ...`), which `--help` and
 docs/config.md print; `RANGES` is the part that is not an enum; `FREE` lists the keys that take any value of
-their type. tests/unit/test_bad_inputs.py keeps the enums equal to their registries and checks that every key of
+their type. tests/process/test_bad_inputs.py keeps the enums equal to their registries and checks that every key of
 the schema has a rule or is listed in `FREE`.
 
 `check_config(cfg)` checks every group (`check_section`: its field types, its rules, its relations), then the

@@ -16,7 +16,7 @@ out of the update's forward, so records are built after the update; when `actor.
 sequence to another DP rank, that rank sends its logp_old row back to rank 0 (one `gather_object` per step of a
 few rows). The flags and weights are recomputed from (logp_old, logp_sparse, loss mask) with the correction's
 own decision function (`algo.correction.explain`): every decision is local to a sequence, so they are the ones
-the loss took; tests/unit/test_samples_log.py checks them against the tensors the loss received.
+the loss took; tests/process/test_samples_run.py checks them against the tensors the loss received.
 
 Bounded size: at most 64 sequences per step (the config rule; default 4), each with at most
 `MAX_RESPONSE_TOKENS` response tokens (later ones are dropped, `tokens_dropped` says how many; the decisions

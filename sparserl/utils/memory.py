@@ -22,7 +22,7 @@ The price of a fixed threshold is a page fault per 4 KiB page each time such a t
 `tune_malloc` also asks torch for transparent huge pages (`THP_MEM_ALLOC_ENABLE=1`: the memory of tensors of 2 MB
 or more is `madvise(MADV_HUGEPAGE)`d, one fault per 2 MB) where the kernel offers them
 (`/sys/kernel/mm/transparent_hugepage/enabled` not `never`). torch reads the variable at its first CPU allocation;
-the entry points call `tune_malloc` in `run_main`, after imports that allocate none (tests/unit/test_utils.py
+the entry points call `tune_malloc` in `run_main`, after imports that allocate none (tests/process/test_entry_points.py
 checks that the setting takes). On the comparison workload (benchmarks/train_step.py `--workload mawps`, one
 process) the huge pages made the update faster at the same peak, while glibc's own dynamic threshold was as fast
 but peaked higher (docs/performance.md).

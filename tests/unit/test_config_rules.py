@@ -1,5 +1,5 @@
 """The config rule table against the schema and the registries it mirrors, and the preflight checks of model
-files and disk space (called directly; tests/unit/test_bad_inputs.py runs the command line's bad inputs)."""
+files and disk space (called directly; tests/process/test_bad_inputs.py runs the command line's bad inputs)."""
 import dataclasses
 
 import pytest
