@@ -65,7 +65,7 @@ GROUPS: dict[str, str] = {
     "tool": "Tool calls of OpenReward episodes, mean per sample over all ranks.",
 }
 
-# The phases the trainer times (`with timers(NAME)` in sparserl/trainer/grpo.py): `perf/<phase>_s`,
+# The phases the trainer times (`timers(NAME)` in sparserl/trainer/trainer.py): `perf/<phase>_s`,
 # `mem/<phase>_peak_gb`, `mem/<phase>_end_gb`.
 PHASES: dict[str, str] = {
     "rollout": "sampling the step's responses through the env",
