@@ -28,9 +28,9 @@ _REFERENCE_DEF = re.compile(r"^ {0,3}\[[^\]]+\]:\s*(<[^>]*>|\S+)")
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 
 
-def links(text: str) -> list[tuple[int, str]]:
-    """(line number, target) of every link outside code."""
-    found, fence = [], None
+def prose_lines(text: str):
+    """(line number, line) of every line outside fenced code blocks."""
+    fence = None
     for n, line in enumerate(text.splitlines(), 1):
         m = _FENCE.match(line)
         if m:
@@ -40,8 +40,14 @@ def links(text: str) -> list[tuple[int, str]]:
             elif marker[0] == fence[0] and len(marker) >= len(fence):
                 fence = None
             continue
-        if fence is not None:
-            continue
+        if fence is None:
+            yield n, line
+
+
+def links(text: str) -> list[tuple[int, str]]:
+    """(line number, target) of every link outside code."""
+    found = []
+    for n, line in prose_lines(text):
         line = _INLINE_CODE.sub("", line)
         for pattern in (_INLINE_LINK, _REFERENCE_DEF):
             found += [(n, t.group(1).strip("<>")) for t in pattern.finditer(line)]
@@ -68,18 +74,8 @@ def slug(heading: str) -> str:
 
 def anchors(text: str) -> set[str]:
     """Every anchor a markdown file defines: its headings' slugs (repeats numbered) and explicit HTML anchors."""
-    found, seen, fence = set(), {}, None
-    for line in text.splitlines():
-        m = _FENCE.match(line)
-        if m:
-            marker = m.group(1)
-            if fence is None:
-                fence = marker
-            elif marker[0] == fence[0] and len(marker) >= len(fence):
-                fence = None
-            continue
-        if fence is not None:
-            continue
+    found, seen = set(), {}
+    for _, line in prose_lines(text):
         found.update(_HTML_ANCHOR.findall(line))
         h = _HEADING.match(line)
         if h:
