@@ -365,12 +365,11 @@ def test_faults_end_only_their_samples(server, tool_model, caplog):
     assert "did not return within env.step_timeout_s=3" in text and "the calculator broke on purpose" in text
 
 
-
 def test_two_servers_in_one_process_stream_in_their_own_loops(server, tokenizer):
-    """Each `ThreadServer` runs its own event loop; the SSE "server is exiting" event must not be shared between
-    them (the SDK's pinned sse-starlette keeps one process-wide event, bound to the first loop that waits on it,
-    which made SSE requests of a second server fail, or not, depending on the machine's load). Waiting on it
-    from two loops in turn is the deterministic form of that race; then sessions open and close on both."""
+    """Each `ThreadServer` runs its own event loop; the SSE "server is exiting" event must not be shared between them
+    (the SDK's pinned sse-starlette keeps one process-wide event, bound to the first loop that waits on it, which made
+    SSE requests of a second server fail, or not, depending on the machine's load). Waiting on it from two loops in
+    turn is the deterministic form of that race; then sessions open and close on both."""
     from sse_starlette.sse import EventSourceResponse
 
     def wait_briefly() -> None:
@@ -379,8 +378,7 @@ def test_two_servers_in_one_process_stream_in_their_own_loops(server, tokenizer)
 
     wait_briefly()
     wait_briefly()  # a second loop: "bound to a different event loop" without the per-loop events
-    # The SDK's class-level task-cache lock cannot serve two loops while cold: warm it, as this module's other tests do.
-    for split in CalcArithmetic._list_splits_cached():
+    for split in CalcArithmetic._list_splits_cached():  # the SDK's task cache warm: its lock cannot serve 2 loops cold
         asyncio.run(CalcArithmetic._list_tasks_cached(getattr(split, "name", split)))
     second = ThreadServer([CalcArithmetic])
     try:
