@@ -33,7 +33,7 @@ from sparserl.config.schema import Config
 # Keys that take any value of their type: paths, field names, free text, switches.
 FREE = ("model.path", "model.activation_checkpointing", "model.allow_pickle_weights", "data.train_path", "data.system_prompt", "data.shuffle",
         "env.path", "env.openreward.envs", "env.openreward.base_url", "env.openreward.serve", "rollout.release_weights", "rollout.quantize_lm_head", "rollout.kv.compress_prompt",
-        "rollout.sglang.attention_backend", "rollout.sglang.cuda_graph", "rollout.sglang.memory_saver", "rollout.sglang.log_level",
+        "rollout.sglang.attention_backend", "rollout.sglang.memory_saver", "rollout.sglang.log_level",
         "actor.balance_ranks", "actor.fuse_old_logprobs", "actor.share_prompts", "actor.skip_zero_advantage", "algo.correction.enable", "algo.correction.is_batch_normalize",
         "algo.correction.apply_to_kl", "algo.correction.rejected_in_baseline",
         "actor.lora.export_merged", "algo.dynamic_sampling.enable", "algo.overlong.mask", "trainer.export_hf", "eval.datasets",

@@ -112,7 +112,6 @@ class SGLangConfig:
     mem_fraction_static: float = opt(0.5, "device memory for weights + KV pool; the actor shares the device",
                                      rule=within("(0, 1)"))
     chunked_prefill_size: int = opt(4096, "prompt tokens per prefill chunk; 0: no chunking", rule=NON_NEG)
-    cuda_graph: bool = opt(True, "off on CPU")
     memory_saver: bool = opt(True, "sleep() frees GPU memory (torch_memory_saver); off on CPU")
     weight_bucket_mb: float = opt(256.0, "weight sync: tensors per update_weights_from_tensor call", rule=above(0))
     log_level: str = opt("error", "the SGLang engine's own log level (error, warning, info, debug)")
@@ -150,6 +149,10 @@ class RolloutConfig:
                                "decode GEMMs, the linear weights held twice; engines/native/prepack.py, "
                                "benchmarks/prepack.py",
                        choices=("auto", "on", "off", "onednn", "mkl"))
+    cuda_graphs: str = opt("auto", "both engines: on | off | auto (= on for CUDA engines): decode-only steps replay a "
+                                   "captured CUDA graph over batch-size buckets (native: static buffers, eager "
+                                   "replay on CPU with on; SGLang: its own graphs, kept with KV compression)",
+                           choices=("auto", "on", "off"))
     rescore_seqs: int = opt(0, "measure-only: per engine and step, re-score this many sequences densely "
                                "(rollout/kv_mismatch_kl)", rule=NON_NEG)
     kv: KVPolicyConfig = opt(KVPolicyConfig)

@@ -46,7 +46,7 @@ def native_options(cfg: Config, num_slots: int) -> NativeOptions:
     return NativeOptions(num_slots=num_slots, max_num_seqs=r.max_num_seqs, max_batch_tokens=r.max_batch_tokens,
                          kv=r.kv.with_budget(), release_weights=r.release_weights, quantization=r.quantization,
                          quantize_lm_head=r.quantize_lm_head, rescore_seqs=r.rescore_seqs, decode_cache=r.decode_cache,
-                         prepack=r.prepack)
+                         prepack=r.prepack, cuda_graphs=r.cuda_graphs)
 
 
 def sglang_options(cfg: Config, device: torch.device | str = "cpu", num_slots: int = 0) -> SGLangOptions:
@@ -67,7 +67,7 @@ def sglang_options(cfg: Config, device: torch.device | str = "cpu", num_slots: i
         max_total_tokens=r.kv_pool_tokens or num_slots,
         max_running_requests=r.max_num_seqs,
         chunked_prefill_size=s.chunked_prefill_size,
-        cuda_graph=s.cuda_graph and on_gpu,
+        cuda_graph=on_gpu and r.cuda_graphs != "off",  # rollout.cuda_graphs (CUDA graphs need CUDA)
         memory_saver=s.memory_saver and on_gpu,  # torch_memory_saver hooks CUDA allocations only
         release_weights=r.release_weights,
         weight_bucket_mb=s.weight_bucket_mb,

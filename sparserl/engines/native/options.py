@@ -24,3 +24,4 @@ class NativeOptions:
     rescore_seqs: int = 0  # measure-only: sequences per generate() re-scored with a dense cache (rescore.py)
     decode_cache: str = "auto"  # on | off | auto: contiguous decode K/V copies (decode_cache.py)
     prepack: str = "auto"  # auto | on | off | onednn | mkl: linear weights packed for the decode GEMMs (prepack.py)
+    cuda_graphs: str = "auto"  # on | off | auto (= on for CUDA): decode-only steps over static buffers, captured on CUDA
