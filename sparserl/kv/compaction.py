@@ -5,9 +5,10 @@ The pool it works on is one tensor per layer, (slots, H_kv, D), keys post-RoPE, 
 `k_cache` / `v_cache` and SGLang's `k_buffer` / `v_buffer` are; a request's n held entries are a (n,) long
 tensor of its slots in entry order (the native sequence's `slots`, SGLang's `req_to_token` row).
 
-- `QueryRing`: the last `window` queries of every layer per ring row (one row per running request),
-  (rows, window, H_q, D) per layer, allocated by the first capture. `plan` maps a forward's tokens to ring
-  places once; `capture` then writes a layer with one indexed copy. A row is read oldest query first, copied
+- `QueryRing`: the last `window` queries of every layer per ring row (one row per running request, plus one
+  spare row no request owns), (rows + 1, window, H_q, D) per layer, allocated by the first capture. `plan` maps
+  a forward's tokens to ring places once; `capture` then writes a layer with one indexed copy (`capture_rows`:
+  one query per row, places given). A row is read oldest query first, copied
   out and back in (a held session), or copied from another row (a fork).
 - `CompactionState`: what a request carries between compactions: queries seen, the logical positions of the
   entries kept last time, per layer and KV head (heads may keep different tokens, since keys carry their RoPE
@@ -54,11 +55,13 @@ class CompactionState:
 
 
 class QueryRing:
-    """Per layer (rows, window, H_q, D): row r's query i sits at place i mod window."""
+    """Per layer (rows + 1, window, H_q, D): row r's query i sits at place i mod window. Row `spare_row` (== rows)
+    belongs to no request: a batch padded to a fixed size writes its padding rows' queries there."""
 
     def __init__(self, num_layers: int, rows: int, window: int) -> None:
         self.num_layers = num_layers
         self.rows = rows
+        self.spare_row = rows
         self.window = window
         self.buffers: list[Tensor] | None = None  # per layer; None until the first capture (or after `release`)
 
@@ -67,7 +70,7 @@ class QueryRing:
         return self.buffers is not None
 
     def allocate(self, heads: int, dim: int, dtype: torch.dtype, device) -> None:
-        shape = (self.rows, self.window, heads, dim)
+        shape = (self.rows + 1, self.window, heads, dim)
         # Kept across forwards: made as normal tensors, so that a capture under inference mode and a read or copy-in
         # outside it (SGLang picks its own grad mode) may both touch them.
         with torch.inference_mode(False):
@@ -100,6 +103,12 @@ class QueryRing:
             self.allocate(q.shape[1], q.shape[2], q.dtype, q.device)
         src, rows, places = index
         self.buffers[layer][rows, places] = q[src]
+
+    def capture_rows(self, layer: int, q: Tensor, rows: Tensor, places: Tensor) -> None:
+        """Store one query per row: q (B, H_q, D) post-RoPE, rows and places (B,) long on q's device."""
+        if self.buffers is None:
+            self.allocate(q.shape[1], q.shape[2], q.dtype, q.device)
+        self.buffers[layer][rows, places] = q
 
     def window_order(self, queries_seen: int, n: int, device) -> Tensor:
         """(w,) places of a row's last w = min(window, queries_seen, n) queries, oldest first."""

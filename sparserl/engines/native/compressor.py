@@ -71,6 +71,18 @@ class Compressor:
             self._get(seq)
         return lambda layer, q: self.ring.capture(layer, q, index)  # q: (T, H, D)
 
+    def decode_places(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """A decode-only step (one new token per sequence): each sequence's ring row and the place its query takes
+        in the row's window, as `QueryRing.plan` gives them for one token; counts the query in its state. The
+        caller writes the queries with `QueryRing.capture_rows`."""
+        rows, places = [], []
+        for seq in seqs:
+            st = self._get(seq)
+            rows.append(st.row)
+            places.append(st.queries_seen % self.window)
+            st.queries_seen += 1
+        return rows, places
+
     def _get(self, seq: Sequence) -> _SeqState:
         st = self._state.get(seq.seq_id)
         if st is None:
