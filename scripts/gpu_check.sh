@@ -1,28 +1,35 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA device, in one command (docs/gpu.md records what they gave):
+# The checks that need a CUDA device, in one command of at most 8 minutes (docs/gpu.md records what they gave):
 #
-#   bash scripts/gpu_check.sh [MODEL] [OUT]      # MODEL: a checkpoint folder (default smollm2-135m-instruct)
-#   STAGES="tests train" bash scripts/gpu_check.sh ...   # a subset of: tests train throughput kv
+#   bash scripts/gpu_check.sh [OUT]             # on the GPU machine; OUT defaults to outputs/gpu_check
+#   DRY_RUN=1 bash scripts/gpu_check.sh         # on a CPU: the same stages on tiny shapes, in about a minute
+#   STAGES="tests decode" bash scripts/gpu_check.sh   # a subset of: tests decode train
 #
-# tests:      tests/gpu (the native engine on CUDA against transformers and against the CPU engine, the draw under
-#             CUDA's sync detector, w8a8/fp8 rollouts, memory returned on sleep, the trainer on CUDA with NCCL)
-# train:      3 GRPO steps of MODEL on one GPU (torchrun, FSDP2, NCCL, bf16), dense and +preset=sparse_rl, 16 prompts
-#             x 8 samples x 512 new tokens; prints the step times and the mismatch metrics
-# throughput: benchmarks/rollout_throughput.py on CUDA in bf16 (native engine vs transformers generate, with the
-#             GEMM floor), batch 8 / 64 / 256
-# kv:         benchmarks/kv_compression.py on CUDA in bf16: dense vs R-KV in one fixed KV pool
+# tests:  tests/gpu (the native engine on CUDA against transformers and the CPU engine, the captured decode step
+#         against the eager one and under CUDA's sync detector, the Triton decode kernel, the single-call training
+#         attention and the ring kernel against their references, quantized rollouts, sleep, the trainer on NCCL)
+# decode: benchmarks/gpu_decode.py: a Qwen2.5-1.5B-shaped model with random weights built on the device from a config
+#         in the script; per decode step ms, launches and syncs at batch 64 and 256, eager vs captured vs transformers'
+#         generate vs the step's floor, R-KV budget 512 at 2048 new tokens against dense at a fixed pool, weight sync
+# train:  benchmarks/train_step.py --device cuda: forward+backward of an 8k-token micro-batch of the same shape, MFU
+#         against a GEMM peak measured in the run, shared prompts and recompute on/off, a 16k response under a 512
+#         prompt, the ring block kernel against one fused call
 #
-# Every stage writes its log to OUT (default outputs/gpu_check) and has its own time limit, so one slow stage
-# does not hide the others; the summary at the end says which passed.
+# Nothing is downloaded and nothing large is carried in: every model is built from a config. Each stage has its own
+# time limit (together 460 s) and log, so one slow stage does not hide the others; the summary says which passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-model=${1:-smollm2-135m-instruct}
-out=${2:-outputs/gpu_check}
-stages=${STAGES:-tests train throughput kv}
+out=${1:-outputs/gpu_check}
+stages=${STAGES:-tests decode train}
 PY=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false SPARSERL_PROGRESS=0
 declare -A status
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  device=(--device cpu --dtype float32 --dry-run)
+else
+  device=(--device cuda)
+fi
 
 stage() {  # stage NAME LIMIT_S COMMAND...
   local name=$1 limit=$2
@@ -35,36 +42,13 @@ stage() {  # stage NAME LIMIT_S COMMAND...
   status[$name]="exit $rc, $((SECONDS - t0)) s"
 }
 
-train() {
-  local rc=0
-  for preset in dense sparse_rl; do
-    $PY -m torch.distributed.run --standalone --nproc_per_node=1 -m sparserl.trainer.grpo +preset=$preset \
-      model.path="$model" trainer.total_steps=3 trainer.prompts_per_step=16 rollout.n=8 rollout.max_new_tokens=512 \
-      rollout.kv.budget=128 algo.correction.enable=true trainer.output_dir="$out/run_$preset" trainer.log_samples=0 \
-      || rc=$?
-    $PY - "$out/run_$preset/metrics.jsonl" <<'PYEOF' || rc=$?
-import json, sys
-for line in open(sys.argv[1]):
-    m = json.loads(line)
-    keys = ["step", "perf/step_s", "perf/rollout_s", "perf/update_s", "perf/weight_sync_s", "perf/rollout_tok_s", "mismatch/kl", "mismatch/abs_max",
-            "kv/retained_frac", "correction/rejected_seq_frac", "mem/peak_gb"]
-    print("  ".join(f"{k}={m[k]:.4g}" if isinstance(m.get(k), float) else f"{k}={m.get(k)}" for k in keys))
-PYEOF
-  done
-  return $rc
-}
-
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 $PY -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "| device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")'
+$PY -c 'import triton; print("triton", triton.__version__)' 2>/dev/null || echo "triton: not installed"
 
-stage tests 420 $PY -m pytest tests/gpu -q -p no:cacheprovider -rs
-export -f train
-export model out PY
-stage train 420 bash -c train
-stage throughput 200 $PY benchmarks/rollout_throughput.py --device cuda --model "$model" --dtype bfloat16 --batch 8 64 256 \
-  --new-tokens 256 --repeats 2
-stage kv 240 $PY benchmarks/kv_compression.py --device cuda --model "$model" --dtype bfloat16 --requests 32 --new-tokens 1024 \
-  --policies rkv --budgets 128 256 --divide-length 128 --dense-slots-for 8 --overhead-requests 0
+stage tests 130 $PY -m pytest tests/gpu -q -p no:cacheprovider -rs --durations=10
+stage decode 190 $PY benchmarks/gpu_decode.py "${device[@]}"
+stage train 140 $PY benchmarks/train_step.py "${device[@]}"
 
 echo "=== summary"
 for name in $stages; do echo "$name: ${status[$name]:-not run}"; done
