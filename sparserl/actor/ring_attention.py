@@ -10,10 +10,14 @@ backward): dQ stays home, dK/dV accumulate in fp32 buffers that travel with the 
 reach their owner.
 
 The block compute runs in query tiles whose mask is built on the fly from the plan's row descriptions, so memory
-stays O(tile x keys) however long the sequence: on CPU through torch's fused flash-attention kernel (which returns
-the log-sum-exp and takes the final one in its backward), elsewhere through explicit fp32 matmuls. A CUDA fused
-kernel with the same contract (flash-attn's varlen with an LSE output, or SDPA's memory-efficient kernel with a
-bias) would replace `_kernel_forward` / `_kernel_backward` only.
+stays O(tile x keys) however long the sequence. Three kernels with one contract (the tile's output and log-sum-exp
+forward; gradients from the final output and log-sum-exp backward): on CPU torch's fused flash-attention kernel in
+fp32; on CUDA torch's fused memory-efficient kernel (`_scaled_dot_product_efficient_attention` with
+`compute_log_sumexp`, and its backward op), which reads q, k, v in the compute dtype (bf16), takes the mask as an
+additive bias broadcast over the heads and accumulates in fp32, in tiles bounded by the bias's size (a whole block
+of a few thousand rows in one call); elsewhere explicit fp32 matmuls. Blocks merge in fp32 (`merge`) whatever the
+kernel. Grouped-query attention expands the block's keys/values to every query head once per block (not per
+tile): the fused kernels take equal head counts.
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ import torch.distributed as dist
 
 # A query tile holds at most this many (query, key) scores (per head for the explicit path): 8M fp32 = 32 MB.
 TILE_SCORES = 1 << 23
+# On CUDA the kernel never stores scores; a tile's only (rows x keys) buffer is its additive mask: 128M entries of
+# bf16 = 256 MB, so a block of up to that many (query, key) pairs runs in one call.
+TILE_BIAS = 1 << 27
 
 Mask = torch.Tensor | Callable[[int, int], torch.Tensor]  # (Tq, Tk) bool, or rows [a, b) of it on demand
 
@@ -46,12 +53,21 @@ class RingPlan(Protocol):
         """The whole (local_len, local_len) bool mask of the pair."""
 
 
-def _flash(device: torch.device) -> bool:
-    return device.type == "cpu"
+def _kind(device: torch.device) -> str:
+    """The block kernel on `device`: "cpu" (torch's fused flash kernel), "cuda" (torch's fused memory-efficient
+    kernel), or "explicit" (fp32 matmuls, any other device)."""
+    return device.type if device.type in ("cpu", "cuda") else "explicit"
 
 
-def _tiles(tq: int, tk: int, heads: int, flash: bool):
-    step = max(1, TILE_SCORES // max(1, tk * (1 if flash else heads)))
+def _align(n: int, to: int = 16) -> int:
+    return -(-n // to) * to
+
+
+def _tiles(tq: int, tk: int, heads: int, kind: str):
+    if kind == "cuda":  # the bias tile is the only (rows x keys) buffer, shared by the heads
+        step = max(1, TILE_BIAS // _align(tk))
+    else:
+        step = max(1, TILE_SCORES // max(1, tk * (heads if kind == "explicit" else 1)))
     for a in range(0, tq, step):
         yield a, min(tq, a + step)
 
@@ -61,14 +77,24 @@ def _rows(mask: Mask, a: int, b: int) -> torch.Tensor:
 
 
 def _bhtd(x: torch.Tensor) -> torch.Tensor:
-    """(T, H, D) -> fp32 (1, H, T, D) contiguous, the fused kernel's layout."""
+    """(T, H, D) -> fp32 (1, H, T, D) contiguous, the CPU kernel's layout."""
     return x.float().transpose(0, 1).contiguous()[None]
 
 
+def _native(x: torch.Tensor) -> torch.Tensor:
+    """(T, H, D) -> (1, H, T, D) in its own dtype, a view of (T, H, D) contiguous memory: the CUDA kernel's layout
+    (it reads (1, T, H, D) with the last dimension contiguous)."""
+    return x.contiguous().transpose(0, 1)[None]
+
+
+def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Keys/values (Tk, Hkv, D) -> (Tk, H, D): query head h uses KV head h // groups (transformers' repeat_kv)."""
+    return x.repeat_interleave(groups, 1) if groups > 1 else x
+
+
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """Keys/values (Tk, Hkv, D) -> (1, H, Tk, D) fp32: query head h uses KV head h // groups (transformers'
-    repeat_kv)."""
-    return _bhtd(x.repeat_interleave(groups, 1) if groups > 1 else x)
+    """Keys/values (Tk, Hkv, D) -> (1, H, Tk, D) fp32."""
+    return _bhtd(_repeat(x, groups))
 
 
 def _groups(q: torch.Tensor, k: torch.Tensor) -> int:
@@ -82,9 +108,46 @@ def _bias(mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def _kernel_forward(q, k, v, mask, scale: float, flash: bool):
+def _cuda_bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(t, Tk) bool -> the additive bias the CUDA kernel takes: (1, H, t, Tk) in q's dtype, broadcast over the heads,
+    rows padded to a multiple of 16 keys in memory (the kernel's alignment)."""
+    t, tk = mask.shape
+    bias = torch.zeros((t, _align(tk)), dtype=q.dtype, device=q.device)[:, :tk].masked_fill_(~mask, float("-inf"))
+    return bias[None, None].expand(1, q.shape[1], t, tk)
+
+
+def _efficient_ops():
+    """torch's memory-efficient attention ops (forward with the log-sum-exp, backward)."""
+    aten = torch.ops.aten
+    return aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_efficient_attention_backward
+
+
+def _cuda_forward(q, k, v, mask, scale: float):
+    """One tile through torch's fused memory-efficient CUDA kernel with the log-sum-exp: q (1, H, t, D), k/v
+    (1, H, Tk, D) in the compute dtype -> out (1, H, t, D) in it, lse (1, H, t) fp32."""
+    out, lse, _, _ = _efficient_ops()[0](
+        q, k, v, _cuda_bias(mask, q), True, 0.0, False, scale=scale)
+    return out, lse[..., : q.shape[2]]  # the kernel pads the LSE's rows to a multiple of 32
+
+
+def _cuda_backward(q, k, v, mask, scale: float, dout, lse, out):
+    """The CUDA kernel's backward given the final `out` / `lse` of the tile's rows: dq, dk, dv in the compute
+    dtype. Dropout is off, so the random-state arguments are never read."""
+    h, t = q.shape[1], q.shape[2]
+    lse_p = lse.new_zeros((1, h, _align(t, 32)))
+    lse_p[..., :t] = lse
+    rng = torch.empty((), dtype=torch.long)
+    dq, dk, dv, _ = _efficient_ops()[1](
+        dout.to(q.dtype), q, k, v, _cuda_bias(mask, q), out.to(q.dtype), lse_p, rng, rng, 0.0,
+        [True, True, True, False], False, scale=scale)
+    return dq, dk, dv
+
+
+def _kernel_forward(q, k, v, mask, scale: float, kind: str):
     """One tile: q (1, H, t, D), k/v (1, H, Tk, D), mask (t, Tk) -> out (1, H, t, D), lse (1, H, t)."""
-    if flash:
+    if kind == "cuda":
+        return _cuda_forward(q, k, v, mask, scale)
+    if kind == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=_bias(mask),
                                                                            scale=scale)
     s = (q @ k.transpose(-1, -2)).mul_(scale).masked_fill_(~mask, float("-inf"))
@@ -92,9 +155,11 @@ def _kernel_forward(q, k, v, mask, scale: float, flash: bool):
     return torch.exp(s.sub_(lse[..., None])) @ v, lse
 
 
-def _kernel_backward(q, k, v, mask, scale: float, dout, lse, out, flash: bool):
+def _kernel_backward(q, k, v, mask, scale: float, dout, lse, out, kind: str):
     """One tile's gradients given the final (merged) `out` (1, H, t, D) and `lse` (1, H, t): dq, dk, dv."""
-    if flash:
+    if kind == "cuda":
+        return _cuda_backward(q, k, v, mask, scale, dout, lse, out)
+    if kind == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, False, attn_mask=_bias(mask), scale=scale)
     s = (q @ k.transpose(-1, -2)).mul_(scale).masked_fill_(~mask, float("-inf"))
@@ -107,13 +172,14 @@ def _kernel_backward(q, k, v, mask, scale: float, dout, lse, out, flash: bool):
 def block_attention(q, k, v, mask: Mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of queries q (Tq, H, D) over keys/values k, v (Tk, Hkv, D) where `mask` (Tq, Tk) is True; every
     row must see at least one key. Returns the output (Tq, H, D) and the log-sum-exp of the scaled scores (Tq, H),
-    both fp32."""
-    g, flash = _groups(q, k), _flash(q.device)
-    kk, vv = _expand(k, g), _expand(v, g)
+    both fp32. On CUDA the kernel reads q, k, v in their own dtype (bf16 in training) and accumulates in fp32."""
+    g, kind = _groups(q, k), _kind(q.device)
+    layout = _native if kind == "cuda" else _bhtd
+    kk, vv = layout(_repeat(k, g)), layout(_repeat(v, g))  # expanded once per block, shared by the tiles
     outs, lses = [], []
-    for a, b in _tiles(q.shape[0], k.shape[0], q.shape[1], flash):
-        o, lse = _kernel_forward(_bhtd(q[a:b]), kk, vv, _rows(mask, a, b), scale, flash)
-        outs.append(o[0].transpose(0, 1))
+    for a, b in _tiles(q.shape[0], k.shape[0], q.shape[1], kind):
+        o, lse = _kernel_forward(layout(q[a:b]), kk, vv, _rows(mask, a, b), scale, kind)
+        outs.append(o[0].transpose(0, 1).float())
         lses.append(lse[0].transpose(0, 1))
     return torch.cat(outs), torch.cat(lses)
 
@@ -121,15 +187,17 @@ def block_attention(q, k, v, mask: Mask, scale: float) -> tuple[torch.Tensor, to
 def block_attention_backward(q, k, v, mask: Mask, scale: float, dout, lse, out):
     """Gradients of one block given the final (merged) output `out` (Tq, H, D) and log-sum-exp `lse` (Tq, H):
     dq (Tq, H, D), dk, dv (Tk, Hkv, D), all fp32."""
-    g, flash = _groups(q, k), _flash(q.device)
-    kk, vv = _expand(k, g), _expand(v, g)
-    dk, dv = torch.zeros_like(kk), torch.zeros_like(vv)
+    g, kind = _groups(q, k), _kind(q.device)
+    layout = _native if kind == "cuda" else _bhtd
+    kk, vv = layout(_repeat(k, g)), layout(_repeat(v, g))
+    dk = torch.zeros(kk.shape, dtype=torch.float32, device=kk.device)
+    dv = torch.zeros_like(dk)
     dqs = []
-    for a, b in _tiles(q.shape[0], k.shape[0], q.shape[1], flash):
+    for a, b in _tiles(q.shape[0], k.shape[0], q.shape[1], kind):
         lse_t = lse[a:b].float().transpose(0, 1).contiguous()[None]
-        dq_t, dk_t, dv_t = _kernel_backward(_bhtd(q[a:b]), kk, vv, _rows(mask, a, b), scale, _bhtd(dout[a:b]),
-                                            lse_t, _bhtd(out[a:b]), flash)
-        dqs.append(dq_t[0].transpose(0, 1))
+        dq_t, dk_t, dv_t = _kernel_backward(layout(q[a:b]), kk, vv, _rows(mask, a, b), scale, layout(dout[a:b]),
+                                            lse_t, layout(out[a:b]), kind)
+        dqs.append(dq_t[0].transpose(0, 1).float())
         dk += dk_t
         dv += dv_t
     tk, hkv, d = k.shape
@@ -138,6 +206,15 @@ def block_attention_backward(q, k, v, mask: Mask, scale: float, dout, lse, out):
         return x[0].transpose(0, 1).reshape(tk, hkv, g, d).sum(2)
 
     return torch.cat(dqs), fold(dk), fold(dv)
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, l_b: torch.Tensor):
+    """Attention over two disjoint key sets from each one's output (T, H, D) and log-sum-exp (T, H), fp32: the
+    softmax-weighted combination, and the log-sum-exp of the union. A row that has seen nothing yet (lse -inf)
+    takes the other's values."""
+    new = torch.logaddexp(lse, l_b)
+    safe = new.masked_fill(torch.isinf(new), 0.0)
+    return out * torch.exp(lse - safe)[..., None] + o_b * torch.exp(l_b - safe)[..., None], new
 
 
 # --- the ring ----------------------------------------------------------------------------------------------------
@@ -170,10 +247,7 @@ class _RingAttention(torch.autograd.Function):
             if blk is not None:
                 o_b, l_b = block_attention(_take(q, blk.rows), _take(kv[0], blk.cols), _take(kv[1], blk.cols),
                                            blk.mask, scale)
-                o_a, l_a = _take(out, blk.rows), _take(lse, blk.rows)
-                new = torch.logaddexp(l_a, l_b)
-                safe = new.masked_fill(torch.isinf(new), 0.0)
-                merged = o_a * torch.exp(l_a - safe)[..., None] + o_b * torch.exp(l_b - safe)[..., None]
+                merged, new = merge(_take(out, blk.rows), _take(lse, blk.rows), o_b, l_b)
                 if blk.rows is None:
                     out, lse = merged, new
                 else:
