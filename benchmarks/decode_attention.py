@@ -13,7 +13,10 @@ of 10 calls each, interleaved so that a noisy machine hurts every variant alike)
   kernel now);
 - `gather only`: the two index_selects alone;
 - `decode cache`: `rollout.decode_cache` (the CPU default): contiguous per-sequence copies, one new entry per
-  sequence copied in per call (what each layer of a decode step does), then SDPA over the contiguous rows.
+  sequence copied in per call (what each layer of a decode step does), then SDPA over the contiguous rows;
+- `paged kernel`: sparserl/kernels/paged_decode.py, the Triton kernel reading the pool through the slot table
+  (no gather); only where it can run: `--device cuda`, or CPU with TRITON_INTERPRET=1 set (the interpreter:
+  a correctness check, its time means nothing).
 
 All variants are checked against `matmul` before timing.
 """
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine, print_table  # noqa: E402
 from sparserl.engines.native.decode_cache import DecodeCache  # noqa: E402
+from sparserl.kernels.paged_decode import kernel_available, paged_decode_attention  # noqa: E402
 
 
 def make_case(batch: int, heads: int, kv_heads: int, head_dim: int, length: int, dtype: torch.dtype, seed: int = 0):
@@ -92,6 +96,17 @@ def decode_cache_runner(q, k_cache, v_cache, index, bias):
     return run
 
 
+def paged_runner(q, k_cache, v_cache, index, bias):
+    """The Triton paged decode kernel over the same slots; lengths from the bias (computed once, like the
+    engine's persistent table)."""
+    lengths = (bias[:, 0, 0, :] == 0).sum(-1)
+
+    def run(q, k_cache, v_cache, index, bias):
+        return paged_decode_attention(q, k_cache, v_cache, index, lengths)
+
+    return run
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
@@ -101,16 +116,21 @@ def main() -> None:
     p.add_argument("--length", type=int, default=180, help="cached entries of the longest sequence")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (timings synchronize the device)")
     args = p.parse_args()
+    paged = kernel_available(args.device)
+    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
     dtype = getattr(torch, args.dtype)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     rows = []
     for b in args.batch:
-        case = make_case(b, args.heads, args.kv_heads, args.head_dim, args.length, dtype)
+        case = [t.to(args.device) for t in make_case(b, args.heads, args.kv_heads, args.head_dim, args.length, dtype)]
         variants = {"matmul": run_matmul, "sdpa": run_sdpa, "gather only": run_gather,
                     "decode cache": decode_cache_runner(*case)}
+        if paged:
+            variants["paged kernel"] = paged_runner(*case)
         ref = run_matmul(*case).float()
-        for name in ("sdpa", "decode cache"):
+        for name in ("sdpa", "decode cache") + (("paged kernel",) if paged else ()):
             err = (variants[name](*case).float() - ref).abs().max().item()
             if err > tol:
                 raise SystemExit(f"{name} differs from matmul by {err:.3g} at batch {b}")
@@ -120,17 +140,19 @@ def main() -> None:
                 fn(*case)
             for _ in range(args.reps):
                 for name, fn in variants.items():
+                    sync()
                     t0 = time.perf_counter()
                     for _ in range(10):
                         fn(*case)
+                    sync()
                     times[name].append((time.perf_counter() - t0) / 10 * 1e3)
         med = {name: statistics.median(t) for name, t in times.items()}
-        rows.append([b, med["matmul"], med["sdpa"], med["gather only"], med["decode cache"],
+        rows.append([b, med["matmul"], med["sdpa"], med["gather only"], med["decode cache"], med.get("paged kernel", "-"),
                      f"{med['matmul'] / med['sdpa']:.2f}x", f"{med['matmul'] / med['decode cache']:.2f}x"])
     print(f"# {machine()}; {args.dtype}; {args.heads} query / {args.kv_heads} KV heads, head dim {args.head_dim}, "
           f"up to {args.length} cached entries")
-    print_table(["batch", "matmul ms", "sdpa ms", "gather only ms", "decode cache ms", "sdpa vs matmul",
-                 "decode cache vs matmul"], rows,
+    print_table(["batch", "matmul ms", "sdpa ms", "gather only ms", "decode cache ms", "paged kernel ms",
+                 "sdpa vs matmul", "decode cache vs matmul"], rows,
                 title="decode attention, one layer (median ms)")
 
 

@@ -12,6 +12,7 @@ EVAL_DATA = ROOT / "sparserl" / "data" / "eval"
 TRAIN_DATA = ROOT / "data" / "train"
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.device_count() else "1")  # no GPU: Triton's interpreter
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

@@ -91,10 +91,133 @@ def reference_decode_attention(q, k_pool, v_pool, slot_table, lengths, scale=Non
     return torch.matmul(probs, v).reshape(B, H, D).to(q.dtype)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, part_ptr, lse_ptr, out_ptr, scale, W,
+                      stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_tw,
+                      stride_lb, stride_lh, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                      DOT_FP32: tl.constexpr):
+        """One (row, KV head, split): online softmax of the G query heads over the split's entries. With one
+        split it writes the normalized output; otherwise the partial output and its log-sum-exp. DOT_FP32 runs
+        the dots in fp32 (the interpreter's tl.dot multiplies bf16 bit patterns as integers)."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        length = tl.load(len_ptr + b * stride_lb + kvh * stride_lh).to(tl.int32)
+        length = tl.minimum(tl.maximum(length, 0), W)
+        start = split * SPLIT_LEN
+        end = tl.minimum(start + SPLIT_LEN, length)
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, D)
+        heads = kvh * G + offs_g
+        q_mask = offs_g[:, None] < G
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        else:
+            q = q.to(k_ptr.dtype.element_ty)
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        for n0 in range(start, end, BLOCK_N):  # bounds from the lengths: no work past a row's end
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            slots = tl.load(table_ptr + b * stride_tb + offs_n * stride_tw, mask=n_mask, other=0).to(tl.int64)
+            k = tl.load(k_ptr + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                        mask=n_mask[:, None], other=0.0)
+            v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                        mask=n_mask[:, None], other=0.0)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (G_PAD, BLOCK_N) fp32
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            m_i = m_new
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (or row) stays zero
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + (b * G * tl.num_programs(1) + heads[:, None]) * D + offs_d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:
+            row = (b * G * tl.num_programs(1) + heads) * NUM_SPLITS + split  # partials (B, H, NUM_SPLITS, D)
+            tl.store(part_ptr + row[:, None] * D + offs_d[None, :], o, mask=q_mask)
+            lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + row, lse, mask=offs_g < G)
+
+    @triton.jit
+    def _merge_kernel(part_ptr, lse_ptr, out_ptr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                      S_PAD: tl.constexpr):
+        """One (row, query head): weight the splits' outputs by exp(lse - max lse); zero when all are empty."""
+        bh = tl.program_id(0)
+        offs_s = tl.arange(0, S_PAD)
+        offs_d = tl.arange(0, D)
+        s_mask = offs_s < NUM_SPLITS
+        lse = tl.load(lse_ptr + bh * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+        m = tl.max(lse, 0)
+        w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))  # exp(-inf) = 0 for empty splits
+        part = tl.load(part_ptr + (bh * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :],
+                       mask=s_mask[:, None], other=0.0)
+        total = tl.sum(w, 0)
+        o = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + bh * D + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _launch_config(B: int, hkv: int, D: int, W: int, block_n, split_len) -> tuple[int, int, int]:
+    """(block_n, split_len, num_splits) from the shapes only. Splits are added until B * H_kv * splits
+    programs fill a large GPU (about 512), but each split keeps at least four blocks of work."""
+    if block_n is None:
+        block_n = 64 if D <= 64 else (32 if D <= 128 else 16)
+    if block_n < 16 or block_n != _pow2(block_n):
+        raise ValueError(f"block_n must be a power of two >= 16; got {block_n}")
+    if split_len is None:
+        wanted = max(1, -(-512 // (B * hkv)))
+        split_len = max(4 * block_n, -(-W // wanted))
+    split_len = -(-max(split_len, 1) // block_n) * block_n  # a multiple of block_n
+    return block_n, split_len, max(1, -(-W // split_len))
+
+
 def paged_decode_attention(q, k_pool, v_pool, slot_table, lengths, scale=None, *, block_n=None,
                            split_len=None) -> torch.Tensor:
     """Decode attention of `q` (B, H, D) over the pool slots of each row (see the module docstring for the
-    contract). `block_n` (slots per inner step) and `split_len` (entries per split, a multiple of block_n)
-    override the defaults chosen from the shapes; both must be powers of two / multiples as described."""
+    contract). `block_n` (slots per inner step, a power of two >= 16) and `split_len` (entries per split, rounded
+    up to a multiple of block_n) override the defaults, which depend on the shapes only (`_launch_config`)."""
     _check(q, k_pool, v_pool, slot_table, lengths)
-    return reference_decode_attention(q, k_pool, v_pool, slot_table, lengths, scale)
+    if not kernel_available(q.device):
+        return reference_decode_attention(q, k_pool, v_pool, slot_table, lengths, scale)
+    B, H, D = q.shape
+    hkv, W = k_pool.shape[1], slot_table.shape[1]
+    if D < 16 or D > 256 or D != _pow2(D):
+        raise ValueError(f"the paged decode kernel needs a head size that is a power of two in [16, 256]; got {D}")
+    if k_pool.stride(2) != 1 or v_pool.stride(2) != 1 or k_pool.dtype != v_pool.dtype:
+        raise ValueError("k_pool and v_pool must share a dtype and be contiguous in the head dimension")
+    if k_pool.device != q.device or slot_table.device != q.device or lengths.device != q.device:
+        raise ValueError(f"q, the pools, slot_table and lengths must be on one device; q is on {q.device}")
+    block_n, split_len, num_splits = _launch_config(B, hkv, D, W, block_n, split_len)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    G = H // hkv
+    if num_splits == 1:
+        part = lse = out  # unused by the kernel with one split
+    else:
+        part = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
+        lse = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
+    stride_lh = lengths.stride(1) if lengths.dim() == 2 else 0
+    _split_kernel[(B, hkv, num_splits)](
+        q, k_pool, v_pool, slot_table, lengths, part, lse, out, float(D**-0.5 if scale is None else scale), W,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        slot_table.stride(0), slot_table.stride(1), lengths.stride(0), stride_lh,
+        G=G, G_PAD=max(16, _pow2(G)), D=D, BLOCK_N=block_n, SPLIT_LEN=split_len, NUM_SPLITS=num_splits,
+        DOT_FP32=_INTERPRETED and k_pool.dtype == torch.bfloat16)
+    if num_splits > 1:
+        _merge_kernel[(B * H,)](part, lse, out, D=D, NUM_SPLITS=num_splits, S_PAD=_pow2(num_splits))
+    return out
