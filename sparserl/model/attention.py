@@ -9,10 +9,12 @@ of a forward by `forward_context(...)` and reset afterwards (the only module-lev
   sequences one call each (causal over their new tokens, full over what was cached before).
 - without a cache (actor training): each packed sequence attends causally over itself; a span with a
   `prefix` (a shared prompt, actor/logprobs.py) attends over that span's rows first, then causally over itself.
+  On CUDA the whole micro-batch is one call per layer (varlen flash or flex attention, model/packed_kernels.py);
+  elsewhere one SDPA call per span.
 - with context parallelism (actor training, `ctx.cp`): the rows are this rank's share of the packed row and the
   same rule runs as ring attention over the cp group (actor/context_parallel.py).
 
-Left out on purpose: flash-attn / paged kernels (SDPA covers CPU and CUDA with one code path), sliding-window
+Left out on purpose: paged kernels for the engine (SDPA covers CPU and CUDA with one code path), sliding-window
 and ALiBi models.
 """
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from sparserl.model.packed_kernels import attend, build_layout, choose_packed_backend
 
 ATTN_NAME = "sparserl"
 
@@ -65,6 +69,8 @@ class ForwardContext:
     # Context parallelism (actor/context_parallel.py `CPAttention`): the rows are this rank's zigzag share of the
     # packed row; attention is `cp.attend(q, k, v, scaling)` (ring attention over the cp group), `spans` unused.
     cp: object | None = None
+    # Without a cache: the micro-batch's single-call layout (model/packed_kernels.py), built by the first layer.
+    packed: object | None = None
 
 
 _CTX: ForwardContext | None = None
@@ -158,6 +164,11 @@ def packed_attention(
         return ctx.cp.attend(q, k_new, v_new, scaling)[None], None
     if ctx.on_queries is not None:
         ctx.on_queries(layer, q)
+    if ctx.k_cache is None and not ctx.n_decode and ctx.spans:
+        if ctx.packed is None:
+            ctx.packed = build_layout(ctx.spans, q.device, choose_packed_backend(q.device, q.dtype))
+        if ctx.packed.backend != "spans":
+            return attend(ctx.packed, q, k_new, v_new, scaling)[None], None
     k_cache = v_cache = None
     decoded = None
     if ctx.k_cache is not None:
