@@ -18,8 +18,9 @@ Both engines derive the seed the same way (`utils.seed.sample_seed`), so on the 
 tokens.
 
 No device-to-host synchronization: the per-row settings come from the host (`RowSettings.from_rows`, built
-from the requests' parameters), and the keys are a few integer kernels over (B,) tensors. A step costs one pass
-over the probabilities (exp, cumulative sum, search), much less than a seeded vocabulary-sized draw per row and the
+from the requests' parameters, or `RowSettings.from_tensors`: device buffers plus flags from those parameters),
+and the keys are a few integer kernels over (B,) tensors. A step costs one pass over the probabilities (exp,
+cumulative sum, search), much less than a seeded vocabulary-sized draw per row and the
 exponential race over them (docs/performance.md has the decode step's breakdown).
 
 Pure tensor code, no sglang import. Left out on purpose: min-p, penalties and logit bias (not part of RL
@@ -126,12 +127,19 @@ class RowSettings:
     def from_rows(cls, rows: list, device) -> "RowSettings":
         """rows: one (seed, temperature, top_p, top_k) per row, Python numbers."""
         seed, temp, top_p, top_k = zip(*rows) if rows else ((), (), (), ())
-        return cls(torch.tensor(temp, dtype=torch.float32, device=device),
-                   torch.tensor(top_p, dtype=torch.float32, device=device),
-                   torch.tensor(top_k, dtype=torch.long, device=device),
-                   torch.tensor(seed, dtype=torch.int64, device=device),
-                   all(t == 0 for t in temp), any(p < 1.0 or k > 0 for p, k in zip(top_p, top_k)),
-                   any(t == 0 for t in temp), float(temp[0]) if temp and len(set(temp)) == 1 else None)
+        return cls.from_tensors(torch.tensor(temp, dtype=torch.float32, device=device),
+                                torch.tensor(top_p, dtype=torch.float32, device=device),
+                                torch.tensor(top_k, dtype=torch.long, device=device),
+                                torch.tensor(seed, dtype=torch.int64, device=device), temp, top_p, top_k)
+
+    @classmethod
+    def from_tensors(cls, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, seeds: torch.Tensor,
+                     temps: list, top_ps: list, top_ks: list) -> "RowSettings":
+        """Settings already on the device (an engine's per-row buffers, gathered for this step), with the host's
+        flags computed from the same rows' Python values (`temps`, `top_ps`, `top_ks`): nothing is read back."""
+        return cls(temperature, top_p, top_k, seeds, all(t == 0 for t in temps),
+                   any(p < 1.0 or k > 0 for p, k in zip(top_ps, top_ks)), any(t == 0 for t in temps),
+                   float(temps[0]) if temps and len(set(temps)) == 1 else None)
 
 
 def sample(

@@ -36,6 +36,7 @@ from sparserl.engines.protocol import EngineStats
 from sparserl.engines.native import rescore
 from sparserl.engines.native.compressor import Compressor
 from sparserl.engines.native.decode_cache import resolve_decode_cache
+from sparserl.engines.native.graph_step import resolve_cuda_graphs
 from sparserl.engines.native.prepack import resolve_prepack
 from sparserl.engines.native.options import NativeOptions
 from sparserl.engines.native.runner import ModelRunner
@@ -73,9 +74,11 @@ class NativeEngine:
         # True: sleep() also drops the weights (the actor pushes fresh ones after every update anyway).
         self.release_weights = o.release_weights
         param = next(model.parameters())
+        graphs = resolve_cuda_graphs(o.cuda_graphs, param.device)  # the static decode step keeps no decode cache
         self.runner = ModelRunner(model, o.num_slots, o.quantization, o.quant_kernel, o.quantize_lm_head,
-                                  resolve_decode_cache(o.decode_cache, param.device),
-                                  resolve_prepack(o.prepack, param.device, param.dtype, o.quantization))
+                                  resolve_decode_cache(o.decode_cache, param.device) and not graphs,
+                                  resolve_prepack(o.prepack, param.device, param.dtype, o.quantization),
+                                  graphs, o.max_num_seqs)
         self.quantization = o.quantization
         # Measure-only: sequences per generate() re-scored with a dense cache (rollout/kv_mismatch_kl).
         self.rescore_seqs = o.rescore_seqs
@@ -173,6 +176,8 @@ class NativeEngine:
             f"slots leaked: {self.pool.num_used} in use, {self.sessions.held_slots} held by sessions")
 
     def stats(self) -> EngineStats:
+        if self.runner.graphs is not None:  # CUDA graphs captured since the last reset
+            self._stats.extra["rollout/graph_captures"] = float(self.runner.graphs.captures - self._captures_at_reset)
         return self._stats
 
     def reset_stats(self) -> None:
@@ -181,6 +186,7 @@ class NativeEngine:
     def _fresh_stats(self) -> EngineStats:
         r = self.runner
         self._kv_sums = [0.0, 0]  # re-scored (sum of logp_sparse - logp_engine_dense, tokens) since the reset
+        self._captures_at_reset = r.graphs.captures if r.graphs is not None else 0
         extra = {"rollout/weight_bytes": float(r.weight_bytes), "rollout/weight_bytes_saved": float(r.float_weight_bytes - r.weight_bytes)}
         return EngineStats(pool_slots=self.num_slots, kv_bytes_per_slot=r.bytes_per_slot, extra=extra)
 
@@ -308,28 +314,22 @@ class NativeEngine:
             if seq.slots:
                 self.pool.free(seq.slots)
                 seq.slots = []
-            self.runner.table.forget(seq)
+            self.runner.forget(seq)
             if self.compression is not None:
                 self.compression.forget(seq)
         self._check_pool()
 
     def _step(self, batch: ScheduledBatch, scheduler: Scheduler, sampler: Sampler, progress) -> None:
-        on_queries = self.compression.on_queries(batch) if self.compression is not None else None
-        self._stats.prefill_tokens += sum(s.num_pending for s in batch.prefill)
-        logits = self.runner.forward(batch, on_queries)  # (decode + prefill rows, V)
-        if self.compression is not None:
-            self.compression.after_forward(batch)
-        computed = batch.decode + batch.prefill
-        for seq in computed:
-            seq.num_cached += seq.num_pending
-        row_of = {id(s): i for i, s in enumerate(computed)}
-        for seq in batch.forks:
-            seq.num_cached = len(seq.prompt)
-            row_of[id(seq)] = row_of[id(seq.fork_of)]
-        sampled = computed + batch.forks
-        order = [row_of[id(s)] for s in sampled]
-        rows = logits if order == list(range(len(logits))) else logits[torch.tensor(order, device=logits.device)]
-        tokens, logps = sampler.sample(rows, sampled)
+        if self.runner.graphs is not None and not batch.prefill and not batch.forks:  # decode only: static buffers
+            sampled = batch.decode
+            tokens, logps = self.runner.graphs.step(sampled, sampler, self.compression)
+        else:
+            on_queries = self.compression.on_queries(batch) if self.compression is not None else None
+            self._stats.prefill_tokens += sum(s.num_pending for s in batch.prefill)
+            logits = self.runner.forward(batch, on_queries)  # (decode + prefill rows, V)
+            if self.compression is not None:
+                self.compression.after_forward(batch)
+            sampled, tokens, logps = sampler.sample_batch(logits, batch)
         self._stats.forward_steps += 1
         finished = 0
         for seq, tok, lp in zip(sampled, tokens, logps):
@@ -360,7 +360,7 @@ class NativeEngine:
         keep = seq.keep and seq.session is not None
         scheduler.finish(seq, reason, keep)
         sampler.forget(seq)
-        self.runner.table.forget(seq)
+        self.runner.forget(seq)
         carry = None
         if self.compression is not None and keep:
             carry = self.compression.detach(seq)

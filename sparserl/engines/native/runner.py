@@ -1,9 +1,11 @@
 """The model runner: owns the KV pool tensors and turns a `ScheduledBatch` into one packed forward.
 
-Only this file of the native engine touches model tensors. Decode tokens go first in the packed batch (one
-row each, attended in one padded SDPA call), prefill spans follow. The LM head runs only on the rows that
-are sampled (`logits_to_keep`), never on a whole prompt.
-Left out on purpose: CUDA graphs and torch.compile (shapes change every step), tensor parallel inference.
+Only this file of the native engine (and graph_step.py, its static decode step) touches model tensors. Decode
+tokens go first in the packed batch (one row each, attended in one padded SDPA call), prefill spans follow. The LM
+head runs only on the rows that are sampled (`logits_to_keep`), never on a whole prompt.
+With `cuda_graphs` the decode-only steps go through `graphs` (graph_step.py: static buffers, CUDA graphs on CUDA)
+and the pool has one extra slot, the sink its padding rows write to; every other step runs here eagerly.
+Left out on purpose: torch.compile, tensor parallel inference.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 
 from sparserl.model.attention import ForwardContext, Span, forward_context, use_packed_attention
 from sparserl.engines.native.decode_cache import DecodeCache
+from sparserl.engines.native.graph_step import StaticDecode
 from sparserl.engines.native.prepack import Prepacker
 from sparserl.engines.native.quantize import QuantizedWeights, quantize_model, weights_nbytes
 from sparserl.engines.native.scheduler import ScheduledBatch
@@ -122,7 +125,8 @@ class SlotTable:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int, quantization: str = "none", quant_kernel: str = "auto",
-                 quantize_lm_head: bool = False, decode_cache: bool = False, prepack: str | None = None) -> None:
+                 quantize_lm_head: bool = False, decode_cache: bool = False, prepack: str | None = None,
+                 cuda_graphs: bool = False, max_num_seqs: int = 256) -> None:
         self.model = model.eval()
         use_packed_attention(self.model)
         use_inplace_mlps(self.model)
@@ -144,6 +148,8 @@ class ModelRunner:
         self.use_decode_cache = decode_cache
         self.table = self._new_table()
         self._released: dict[int, torch.Size] = {}  # id(parameter) -> shape, while the storage is dropped
+        # Decode-only steps over static buffers (graph_step.py); None runs every step eagerly.
+        self.graphs = StaticDecode(self, max_num_seqs, capture=self.device.type == "cuda") if cuda_graphs else None
 
     @property
     def bytes_per_slot(self) -> int:
@@ -152,7 +158,9 @@ class ModelRunner:
 
     def allocate(self) -> None:
         if self.k_cache is None:
-            shape = (self.num_slots, self.num_kv_heads, self.head_dim)
+            # The static decode step's padding rows write their K/V into one more slot, never handed out (the sink).
+            sink = self.graphs is not None
+            shape = (self.num_slots + sink, self.num_kv_heads, self.head_dim)
             # On CPU the pool is not zero-filled: the pages of slots never handed out are never touched, so resident
             # memory follows the slots in use (the pool hands out low ids first) instead of the pool's worst-case size.
             # Every slot is written by the forward it is allocated for before anything reads it; the one read of
@@ -163,10 +171,14 @@ class ModelRunner:
             self.v_cache = [alloc(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
             for t in self.k_cache + self.v_cache:
                 t[0].zero_()
+                if sink:
+                    t[-1].zero_()
 
     def release(self) -> None:
         self.k_cache = self.v_cache = None
         self.table = self._new_table()
+        if self.graphs is not None:
+            self.graphs.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -175,6 +187,12 @@ class ModelRunner:
         if self.use_decode_cache:
             cache = DecodeCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device)
         return SlotTable(self.device, cache)
+
+    def forget(self, seq: Sequence) -> None:
+        """A sequence stops decoding: its rows in the slot tables are free again."""
+        self.table.forget(seq)
+        if self.graphs is not None:
+            self.graphs.forget(seq)
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -247,6 +265,8 @@ class ModelRunner:
         """Drop the parameters' storage while the actor trains; `load_weights` allocates it again."""
         if self.prepacker is not None:
             self.prepacker.drop()
+        if self.graphs is not None:
+            self.graphs.invalidate()  # the parameters move: graphs captured over them are stale
         for p in self.model.parameters():
             if p.numel():
                 self._released[id(p)] = p.shape
@@ -267,6 +287,8 @@ class ModelRunner:
         A weight of a quantized layer is quantized again from the tensor that arrives (every sync)."""
         # state_dict(keep_vars=True) lists tied weights under every name they have (lm_head / embeddings).
         params = self.model.state_dict(keep_vars=True)
+        if self.graphs is not None and (self._released or self.quant is not None):
+            self.graphs.invalidate()  # storage is allocated again (quantized layers: at every load)
         n = 0
         for name, tensor in named_tensors:
             layers = self.quant.modules.get(name, []) if self.quant is not None else []
