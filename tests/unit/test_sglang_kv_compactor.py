@@ -120,5 +120,10 @@ def test_compressing_engine_runs_the_backend_without_radix_cache_or_overlap():
     kv = SGLangOptions(kv={"algorithm": "rkv"}).server_args("m", 0)
     assert kv["attention_backend"] == "sparserl_kv" and SGLangOptions().base_attention_backend == "torch_native"
     assert kv["disable_radix_cache"] and kv["disable_overlap_schedule"] and kv["page_size"] == 1
-    assert kv["disable_cuda_graph"] and not kv["enable_mixed_chunk"]
+    assert kv["disable_cuda_graph"] and not kv["enable_mixed_chunk"] and kv["disable_prefill_cuda_graph"]
+    assert "custom_logit_processor" not in str(dense)  # the sampler reads custom_params when SGLang builds a batch
+    gpu = dict(device="cuda", attention_backend=None, cuda_graph=True)
+    dense_gpu, kv_gpu = SGLangOptions(**gpu).server_args("m", 0), SGLangOptions(**gpu, kv={"algorithm": "rkv"}).server_args("m", 0)
+    assert not dense_gpu["disable_cuda_graph"] and "disable_overlap_schedule" not in dense_gpu  # dense: graphs, overlap
+    assert not kv_gpu["disable_cuda_graph"] and kv_gpu["disable_overlap_schedule"]  # compressed: decode graphs on CUDA
     assert SGLangOptions(device="cuda", attention_backend=None).base_attention_backend == "triton"

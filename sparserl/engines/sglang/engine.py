@@ -8,7 +8,8 @@ Data-parallel groups each own an engine.
 - `generate` expands each request into its `n` samples, each with its own seed (engine seed, request index,
   sample index, as the native engine), and sends them as separate SGLang requests: SGLang's radix cache
   shares the prompt's prefill among them. The draws and `logp_sparse` come from sparserl's sampler inside
-  SGLang (`sampler.py`), so the log-probs are the processed distribution's (temperature, top-k, top-p).
+  SGLang (`sampler_plugin.py`), so the log-probs are the processed distribution's (temperature, top-k, top-p);
+  each sample's seed and settings travel in its `custom_params`.
 - `update_weights` opens a weight-update session (`begin_weight_update`, required by SGLang 0.5.23) and
   loads the tensors in buckets of `rollout.sglang.weight_bucket_mb` under their Hugging Face names; SGLang's
   loaders fuse q/k/v and gate/up. The session is closed, and the prefix cache flushed, before the engine is
@@ -219,13 +220,9 @@ class SGLangEngine:
         return out
 
     async def _generate_all(self, samples: list[_Sample], progress) -> list[dict]:
-        from sparserl.engines.sglang.sampler_plugin import SamplingTicket
-
-        ticket = SamplingTicket.to_str()
-
         async def one(s: _Sample) -> dict:
             out = await self._engine.async_generate(input_ids=s.prompt, sampling_params=self._sglang_params(s),
-                                                    return_logprob=True, custom_logit_processor=ticket)
+                                                    return_logprob=True)
             if progress is not None:
                 progress(1)
             return out
@@ -249,6 +246,7 @@ class SGLangEngine:
             # SGLang ignores stop_token_ids too under ignore_eos; `_to_generation` cuts at them instead.
             "ignore_eos": p.ignore_eos,
             "no_stop_trim": True,  # text and token ids both keep the stop string, as in the native engine
+            # Read by sparserl's sampler when SGLang builds the batch (sampler_plugin.BatchRows), not per step.
             "custom_params": {PARAM_KEY: [s.seed, p.temperature, p.top_p, p.top_k]},
         }
 

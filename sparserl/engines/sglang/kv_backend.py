@@ -6,8 +6,9 @@ flag; spawned processes inherit it). `register()` then
 
 1. registers the backend name `sparserl_kv` (and adds it to SGLang's argument choices). Its factory builds the
    base backend (`torch_native` on CPU; triton / flashinfer / fa3 on GPU) and puts query capture and logical
-   decode positions in front of its `forward` / `init_forward_metadata` (`_wrap`): the instance keeps its
-   class, so every other method, and SGLang's checks on the instance, stay the base backend's.
+   decode positions in front of its `forward` / `init_forward_metadata` / `init_forward_metadata_out_graph` /
+   `init_cuda_graph_state` (`_wrap`): the instance keeps its class, so every other method, and SGLang's checks
+   on the instance, stay the base backend's.
 2. hooks three scheduler methods through SGLang's `HookRegistry` (the plugin mechanism of 0.5.23):
    - `Scheduler.process_batch_result` (around): before it, each sampled row gets its per-token record in
      `logits_output.customized_info["sparserl_kv"]` (entries held during the forward, running requests,
@@ -24,11 +25,16 @@ flag; spawned processes inherit it). `register()` then
    - `SchedulerWeightUpdaterManager.release_memory_occupation` (after): when the KV cache is released (the
      engine sleeps), the compactor's query ring goes with it.
 
-Positions: the backend shifts decode positions to logical ones (RoPE), and puts the same tensor on the batch's
-`sampling_info` for the sampler (sampler.py), whose noise is keyed by the position: SGLang 0.5.23's runner
-gives the backend and the model a copy of the forward batch, and the sampler the original. Host syncs: none
-in the bookkeeping (the batch's rows come from the scheduler's requests, `Scheduler.run_batch` (around),
+Positions: the backend shifts decode positions to logical ones (RoPE), and the same tensor is on the batch's
+`sampling_info` for the sampler (sampler_plugin.py), whose noise is keyed by the position: SGLang 0.5.23's
+runner gives the backend and the model a copy of the forward batch, and the sampler the original. Host syncs:
+none in the bookkeeping (the batch's rows come from the scheduler's requests, `Scheduler.run_batch` (around),
 and compaction offsets are mirrored on the host); tracing adds the copies of what it reports.
+
+CUDA graphs (decode): a decode forward's capture index and position offsets live in static buffers
+(kv_decode.py), written in place from the host's bookkeeping before the forward, eagerly or before a replay
+(`init_forward_metadata_out_graph`); the query capture inside the forward indexes the ring with them, so the
+captured kernels read this step's values. Padding rows go to the ring's spare row. Prefill stays eager.
 
 Why these pieces and not the backend alone: a backend sees one forward at a time and no `Req` objects, and
 freeing slots needs the request's KV record and the batch's lengths, which only the scheduler owns; admission
@@ -36,7 +42,8 @@ reads `max_new_tokens` in several places of `PrefillAdder`. Pinned to SGLang 0.5
 
 Requirements, set by the engine (`SGLangOptions.server_args`): radix cache off (compaction edits and frees
 slots a prefix tree would share), overlap scheduling off (the scheduler must see a step's tokens before the
-next step is prepared), page size 1, no mixed chunked prefill, no CUDA graphs (positions are shifted eagerly).
+next step is prepared), page size 1, no mixed chunked prefill, no prefill CUDA graphs (a prefill's capture
+index is planned per forward; decode graphs are fine).
 Left out on purpose: speculative decoding, hybrid (SWA / Mamba) pools, data-parallel attention, and TP ranks
 agreeing on share=layer/all selections (share=head is rank-local).
 """
@@ -55,7 +62,8 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sparserl.kv import KVPolicyConfig, NewlineTokens
 from sparserl.kv.schedule import CompressionSchedule
-from sparserl.engines.sglang.kv_compactor import KVCompactor
+from sparserl.engines.sglang.kv_compactor import KVCompactor, RequestKV
+from sparserl.engines.sglang.kv_decode import DecodeBuffers
 from sparserl.engines.sglang.sampler_plugin import DRAWN_POSITIONS, LOGICAL_POSITIONS
 from sparserl.utils.host_syncs import HostSyncs
 
@@ -85,6 +93,9 @@ class KVRuntime:
         self.layer_ids = list(range(self.kv_pool.start_layer, self.kv_pool.start_layer + self.kv_pool.layer_num))
         num_kv_heads = self.kv_pool.get_key_buffer(self.layer_ids[0]).shape[1]
         self.compactor = KVCompactor(cfg, len(self.layer_ids), num_kv_heads, self.req_to_token.shape[0], runner.device)
+        # Static decode state (capture index, position shift); grown for CUDA graphs by `init_cuda_graph_state`.
+        self.decode = DecodeBuffers(self.req_to_token.shape[0], runner.device)
+        self.graphs = False  # CUDA graphs captured: the query ring then stays allocated (graphs hold its address)
         self._newline = NewlineTokens(cfg.divide_method)
         self.high_water = 0
         self.peak_running = 0
@@ -106,13 +117,13 @@ class KVRuntime:
         if rows is None or len(rows) != fb.batch_size:
             rows = fb.req_pool_indices.tolist()  # a forward that did not come through Scheduler.run_batch
         if mode.is_decode():
-            self.decode_forwards += 1
-            self.compactor.plan_capture(rows, [1] * len(rows), [False] * len(rows))
             # Logical positions for RoPE here, and for the sampler's noise keys: in 0.5.23 the runner hands the
             # backend a copy of the batch (`EagerRunner.load_batch` -> `dataclasses.replace`) while the sampler
-            # reads the original's positions, so they travel on the `sampling_info` both share.
-            fb.positions = fb.positions + self.compactor.offsets(rows).to(fb.positions.dtype)
-            setattr(fb.sampling_info, LOGICAL_POSITIONS, fb.positions)
+            # reads the original's positions, so they travel on the `sampling_info` both share (`_around_run_batch`
+            # puts the same static buffer there, for graph replays, where no sampling_info reaches the backend).
+            logical = self._plan_decode(rows, fb.batch_size, fb.positions)
+            fb.positions = logical if logical.dtype == fb.positions.dtype else logical.to(fb.positions.dtype)
+            setattr(fb.sampling_info, LOGICAL_POSITIONS, logical)
         elif mode.is_extend() and not mode.is_mixed():
             prefix = fb.extend_prefix_lens_cpu
             self.compactor.plan_capture(rows, list(fb.extend_seq_lens_cpu), [p == 0 for p in prefix])
@@ -121,9 +132,53 @@ class KVRuntime:
             raise RuntimeError(f"{BACKEND_NAME}: forward mode {mode} is not supported (mixed chunked prefill and "
                                "speculative decoding must be off)")
 
-    def capture(self, layer, q: torch.Tensor) -> None:
+    def before_graph(self, fb, in_capture: bool) -> None:
+        """Before a decode graph is captured or replayed (SGLang's `init_forward_metadata_out_graph`): the same
+        static state as an eager decode forward, padding rows included; positions are shifted in the graph's own
+        input buffer. A capture's dummy batch is all padding and touches no request's state."""
+        if getattr(fb, "_sparserl_kv_planned", False):  # the eager path, through the base's init_forward_metadata
+            return
+        if not fb.forward_mode.is_decode():
+            raise RuntimeError(f"{BACKEND_NAME}: CUDA graphs of forward mode {fb.forward_mode} are not supported "
+                               "(decode graphs only; prefill CUDA graphs must be off)")
+        actual = getattr(fb, "actual_forward_mode", fb.forward_mode)
+        if in_capture or actual.is_idle():
+            self.decode.write([], [], [], fb.batch_size, self.compactor.ring.spare_row)
+            return
+        with self.syncs if self.syncs is not None else nullcontext():
+            raw = fb.batch_size - (getattr(fb, "num_padding", 0) or 0)
+            rows, self.batch_rows = self.batch_rows, None
+            if rows is None or len(rows) != raw:
+                rows = fb.req_pool_indices[:raw].tolist()  # a forward that did not come through Scheduler.run_batch
+            positions = fb.positions[:raw]
+            positions.copy_(self._plan_decode(rows, fb.batch_size, positions))
+
+    def _plan_decode(self, rows: list[int], padded: int, positions: torch.Tensor) -> torch.Tensor:
+        """One query per row into the ring (each row's next window place, counted in its state, as
+        `QueryRing.plan` places one token) and the rows' offsets, written to the static buffers; returns the
+        logical positions (a view of the static buffer)."""
+        self.decode_forwards += 1
+        window = self.compactor.window
+        places = []
+        for row in rows:
+            st = self.compactor.state.setdefault(row, RequestKV())
+            places.append(st.queries_seen % window if window else 0)
+            st.queries_seen += 1
+        offsets = [self.compactor.offset[r] for r in rows]
+        self.decode.write(rows, places, offsets, padded, self.compactor.ring.spare_row)
+        return self.decode.shift(positions)
+
+    def capture(self, layer, q: torch.Tensor, decode: bool = False) -> None:
         local = layer.layer_id - self.kv_pool.start_layer
-        self.compactor.capture(local, q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim))
+        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        if not decode:
+            self.compactor.capture(local, q)
+        elif self.compactor.window:  # static index: the same kernels eagerly and inside a CUDA graph
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() and not self.compactor.ring.allocated:
+                raise RuntimeError(f"{BACKEND_NAME}: the query ring must exist before a CUDA graph is captured "
+                                   "(SGLang's warm-up forwards allocate it)")
+            rows, places = self.decode.capture_index(q.shape[0])
+            self.compactor.ring.capture_rows(local, q, rows, places)
 
     # ------------------------------------------------------------ scheduler side (the hooks)
     def records(self, batch) -> list:
@@ -211,19 +266,36 @@ _RUNTIME: KVRuntime | None = None  # set once, by the backend factory of this sc
 
 def _wrap(backend) -> None:
     """Query capture and logical decode positions in front of the base backend's own methods, as instance
-    attributes: the instance keeps its class, so SGLang's checks on it (and every other method) are the base's."""
+    attributes: the instance keeps its class, so SGLang's checks on it (and every other method) are the base's.
+    Eager forwards come through `init_forward_metadata`; CUDA-graph captures and replays through
+    `init_forward_metadata_out_graph` (SGLang 0.5.23's hook outside the graph; the legacy capture / replay hooks
+    are gone from its base class), which update the static decode state and then run the base's; the base's
+    `init_forward_metadata_in_graph` has nothing of ours to add and stays as it is."""
     base_init, base_forward = backend.init_forward_metadata, backend.forward
+    base_out_graph, base_graph_state = backend.init_forward_metadata_out_graph, backend.init_cuda_graph_state
 
     def init_forward_metadata(forward_batch):
         _RUNTIME.before_forward(forward_batch)
         base_init(forward_batch)
 
+    def init_forward_metadata_out_graph(forward_batch, in_capture=False):
+        _RUNTIME.before_graph(forward_batch, in_capture)
+        base_out_graph(forward_batch, in_capture)
+
+    def init_cuda_graph_state(max_bs, max_num_tokens, *args, **kwargs):
+        _RUNTIME.decode.grow(max(max_bs, max_num_tokens))
+        _RUNTIME.graphs = True
+        base_graph_state(max_bs, max_num_tokens, *args, **kwargs)
+
     def forward(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        if not forward_batch.forward_mode.is_idle():
-            _RUNTIME.capture(layer, q)
+        mode = forward_batch.forward_mode
+        if not mode.is_idle():
+            _RUNTIME.capture(layer, q, decode=mode.is_decode())
         return base_forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     backend.init_forward_metadata, backend.forward = init_forward_metadata, forward
+    backend.init_forward_metadata_out_graph, backend.init_cuda_graph_state = init_forward_metadata_out_graph, \
+        init_cuda_graph_state
 
 
 def settings() -> dict:
@@ -262,8 +334,13 @@ def _around_process_batch_result(original, scheduler, batch, result, *args, **kw
 
 
 def _around_run_batch(original, scheduler, batch, *args, **kwargs):
-    if _RUNTIME is not None and batch is not None and batch.reqs:
-        _RUNTIME.batch_rows = [req.kv.req_pool_idx for req in batch.reqs]  # the order of batch.req_pool_indices
+    rt = _RUNTIME
+    if rt is not None and batch is not None and batch.reqs:
+        rt.batch_rows = [req.kv.req_pool_idx for req in batch.reqs]  # the order of batch.req_pool_indices
+        if batch.sampling_info is not None and batch.forward_mode.is_decode():
+            # The sampler's noise positions: the static buffer this forward's logical positions are written to
+            # (eagerly or before a graph replay). Overlap scheduling is off, so the forward shares this object.
+            setattr(batch.sampling_info, LOGICAL_POSITIONS, rt.decode.logical[:len(batch.reqs)])
     return original(scheduler, batch, *args, **kwargs)
 
 
@@ -294,8 +371,8 @@ def _after_release_memory_occupation(result, manager, recv_req, *args, **kwargs)
     """The engine sleeps: with the KV cache, drop the compactor's query ring (allocated outside SGLang's memory
     accounting, (rows, window, H_q, D) per layer); the next forward allocates it again."""
     tags = getattr(recv_req, "tags", None)
-    if _RUNTIME is not None and (not tags or "kv_cache" in tags):
-        _RUNTIME.compactor.release()
+    if _RUNTIME is not None and not _RUNTIME.graphs and (not tags or "kv_cache" in tags):
+        _RUNTIME.compactor.release()  # kept under CUDA graphs, which write it at the address they captured
     return result
 
 

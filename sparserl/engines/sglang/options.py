@@ -43,8 +43,10 @@ class SGLangOptions:
             enable_memory_saver=self.memory_saver, log_level=self.log_level,
             # Idle, the scheduler would spin a core at 100% while the colocated actor trains.
             sleep_on_idle=True,
-            # sparserl's sampler stands in for this backend and reads each request's settings from custom_params.
-            sampling_backend="pytorch", enable_custom_logit_processor=True,
+            # sparserl's sampler stands in for this backend and reads each request's settings from custom_params
+            # (kept on the request by SGLang; no custom logit processor, which would cost a mask and copies per step).
+            # Dense engines keep SGLang's overlap scheduler and, on CUDA, its graphs.
+            sampling_backend="pytorch",
         )
         if self.max_total_tokens:
             args["max_total_tokens"] = self.max_total_tokens
@@ -52,9 +54,13 @@ class SGLangOptions:
             args["attention_backend"] = self.attention_backend
         if self.kv is not None:
             # Compaction frees slots a prefix tree would share, must run between a step's sampling and the next
-            # step's preparation, works on single-token pages, and shifts decode positions eagerly.
+            # step's preparation, and works on single-token pages. Decode CUDA graphs stay as `cuda_graph` says: the
+            # backend's decode state (capture index, position shift) lives in static buffers written before replay;
+            # a prefill's capture index is planned per forward, so prefill graphs are off.
             args.update(attention_backend="sparserl_kv", disable_radix_cache=True, disable_overlap_schedule=True,
-                        enable_mixed_chunk=False, page_size=1, disable_cuda_graph=True)
+                        enable_mixed_chunk=False, page_size=1, disable_prefill_cuda_graph=True)
         if self.device == "cuda":
             args["base_gpu_id"] = self.base_gpu_id
+        else:
+            args["disable_cuda_graph"] = True  # CUDA graphs need CUDA
         return args
