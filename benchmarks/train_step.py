@@ -5,6 +5,7 @@ process, and the training throughput of packed vs padded micro-batches on one ro
     python benchmarks/train_step.py --workload mawps --nproc 1 --steps 3 --trl --skip-packing
     python benchmarks/train_step.py --packing-only
     python benchmarks/train_step.py --update-floor
+    python benchmarks/train_step.py --device cuda             # part 4 alone; --device cpu --dry-run: tiny, seconds
 
 Part 1 runs `sparserl.trainer.grpo` under torchrun for `--steps` steps in a temporary folder (default preset
 unless overridden) and prints every step's timings and memory: `mem/peak_gb` is rank 0's peak RSS so far (CPU)
@@ -34,6 +35,11 @@ prompts with the workload's system prompt x 4 responses of 128 tokens) split and
 with activation checkpointing on (the default) and off, against the matmul floor of the same micro-batches
 (`benchmarks/common.py::train_matmul_floor`: each linear layer's forward, recomputed forward, dX and dW GEMMs at
 the micro-batches' token counts, timed back to back in the same run). The optimizer step is not included.
+
+Part 4 (`--device`, run alone): forward+backward of an 8k-token micro-batch on one device for a Qwen2.5-1.5B-shaped
+model with random weights (no download), MFU against a GEMM peak measured in the same run, shared prompts and
+activation checkpointing on/off, a 16k-token response under a 512-token prompt, and the ring block kernel against
+one fused attention call; `--dry-run` runs it on a tiny config. benchmarks/train_step_device.py has the details.
 """
 from __future__ import annotations
 
@@ -228,7 +234,7 @@ def workload_batch(tokenizer, prompts: int = 16, n: int = 4, new_tokens: int = 1
 
 def update_floor(args) -> None:
     from sparserl.actor.hf import load_model, load_tokenizer
-    from sparserl.actor.logprobs import DEFAULT_CHUNK_MB, PackedSeqs, _layout, chunk_rows, packed_logprobs
+    from sparserl.actor.logprobs import PackedSeqs, _layout, chunk_mb_for, chunk_rows, packed_logprobs
     from sparserl.data.packing import split_microbatches
 
     tokenizer = load_tokenizer(args.model)
@@ -260,7 +266,8 @@ def update_floor(args) -> None:
             model.gradient_checkpointing_disable()
         seconds = min(fwd_bwd() for _ in range(args.repeats + 1))  # the first pass warms up
         floor = train_matmul_floor(model, shapes, chunk_rows(model.get_output_embeddings().weight.shape[0],
-                                                             DEFAULT_CHUNK_MB), recompute=ac, repeats=args.repeats)
+                                                             chunk_mb_for(None, torch.device("cpu"))),
+                                   recompute=ac, repeats=args.repeats)
         rows.append(["on" if ac else "off", len(mbs), sum(t for t, _ in shapes), f"{seconds:.2f}", f"{floor:.2f}",
                      f"{floor / seconds:.0%}"])
     print(f"machine: {machine()}\nbatch: {len(seqs)} sequences (16 MAWPS prompts x 4, 128 response tokens), "
@@ -285,8 +292,16 @@ def main() -> None:
     ap.add_argument("--pack-new-tokens", type=int, default=384)
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
+                    help="run part 4 alone on this device: forward+backward of a Qwen2.5-1.5B-shaped model")
+    ap.add_argument("--dtype", default="bfloat16", help="part 4: the model's dtype")
+    ap.add_argument("--dry-run", action="store_true", help="part 4 on a tiny config and short runs: the code path")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if args.device is not None:
+        from benchmarks.train_step_device import device_update
+
+        return device_update(args)
     if args.update_floor:
         return update_floor(args)
     if not args.packing_only:

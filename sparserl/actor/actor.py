@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from sparserl.actor import lora as lora_lib
 from sparserl.actor.hf import load_model, load_model_rank0, load_on_choice, parse_dtype
-from sparserl.actor.logprobs import DEFAULT_CHUNK_MB, PackedSeqs, packed_logprobs, prompt_key
+from sparserl.actor.logprobs import DEFAULT_CHUNK_MB, PackedSeqs, host_to_device, packed_logprobs, prompt_key
 from sparserl.actor.optim import build_optimizer, build_scheduler
 from sparserl.actor.parallelize import materialize, parallelize
 from sparserl.algo.aggregation import Normalizer
@@ -67,9 +67,9 @@ class TrainBatch:
         return [len(x) for x in self.ids]
 
 
-# loss_fn(logp, entropy, batch, index, normalizer) -> (scalar loss, metrics). A loss_fn may also have
-# `finalize(batch, index, normalizer) -> (grad_scale, {metric: scale})`, called once after the minibatch's last
-# backward, for normalizers that need every micro-batch's forward first (the fused path).
+# loss_fn(logp, entropy, batch, index, normalizer) -> (scalar loss, metrics: floats or 0-dim tensors, best left on
+# the device). It may also have `finalize(batch, index, normalizer) -> (grad_scale, {metric: scale})`, called once
+# after the minibatch's last backward, for normalizers that need every micro-batch's forward first (the fused path).
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch, torch.Tensor, Normalizer], tuple[torch.Tensor, dict]]
 
 
@@ -79,7 +79,7 @@ class Actor:
                  warmup_steps: int = 0, total_steps: int = 1, min_lr_ratio: float = 0.0, max_grad_norm: float = 1.0,
                  max_tokens_per_device: int = 8192, activation_checkpointing: bool = False, trainable: bool = True,
                  sampling: tuple[float, float, int] = (1.0, 1.0, 0), entropy_grad: bool = False,
-                 logprob_chunk_mb: float = DEFAULT_CHUNK_MB, share_prompts: bool = True, load_on: str | None = None,
+                 logprob_chunk_mb: float | None = DEFAULT_CHUNK_MB, share_prompts: bool = True, load_on: str | None = None,
                  lora=None, seed: int = 0, skip_zero_advantage: bool = False) -> None:
         self.device = device
         # Sequences whose advantage is exactly 0 (a group whose rewards all tie) add nothing to a loss that is
@@ -91,7 +91,7 @@ class Actor:
         self.max_grad_norm = max_grad_norm
         self.temperature, self.top_p, self.top_k = sampling
         self.entropy_grad = entropy_grad  # False: entropy is only a metric, computed without autograd
-        self.chunk_mb = logprob_chunk_mb
+        self.chunk_mb = logprob_chunk_mb  # None: by device (logprobs.py `chunk_mb_for`)
         self.share_prompts = share_prompts  # the samples of one prompt share its forward (actor/logprobs.py)
         # load_on="rank0" (default; None reads SPARSERL_LOAD_ON): only global rank 0 reads the checkpoint, the
         # other ranks build the model on the meta device and get their shards from rank 0 once it is parallelized.
@@ -239,19 +239,22 @@ class Actor:
 
     def accumulate_gradients(self, batch: TrainBatch, loss_fn: LossFn, index: list[int], with_entropy: bool = True) -> dict[str, float]:
         """Forward/backward of one minibatch (sequence indices `index` on this rank) in packed micro-batches.
-        Gradients accumulate in the parameters; metrics come back summed over micro-batches."""
+        Gradients accumulate in the parameters; metrics come back summed over micro-batches. No host reads between
+        micro-batches: metrics a loss returns as tensors are summed on the device in float64 (the sums of host
+        floats) and read once, after the last backward."""
         norm = self._normalizer(batch, index)
-        out: dict[str, float] = {}
+        out: dict[str, float | torch.Tensor] = {}
         computed = 0
 
         def run_loss(logp, ent, mb) -> torch.Tensor:
             nonlocal computed
-            idx = torch.tensor(mb, dtype=torch.long, device=self.device)
+            idx = host_to_device(mb, self.device)
             loss, metrics = loss_fn(logp, ent, batch, idx, norm)
             self._bad_loss |= ~torch.isfinite(loss.detach())  # read at the optimizer step, no sync here
             computed += 1
             for key, v in metrics.items():
-                out[key] = out.get(key, 0.0) + float(v)
+                v = v.detach().to(torch.float64).reshape(()) if isinstance(v, torch.Tensor) else float(v)
+                out[key] = out[key] + v if key in out else 0.0 + v
             return loss
 
         trained, no_grad = self._zero_advantage_split(batch, index)
@@ -272,6 +275,8 @@ class Actor:
                 loss = run_loss(logp, ent, mb) if mb else logp.sum() * 0.0
                 # FSDP2 averages gradients over DP (x CP) ranks; the loss is already globally normalized.
                 (loss * self.grad_scale).backward()
+        on_device = [k for k, v in out.items() if isinstance(v, torch.Tensor)]  # read once, all together
+        out.update(zip(on_device, torch.stack([out[k] for k in on_device]).tolist() if on_device else []))
         if self.skip_zero_advantage:  # summed over ranks: the global share
             out["actor/no_grad_seq_frac"] = len(no_grad) / norm.seqs if norm.seqs else 0.0
         finalize = getattr(loss_fn, "finalize", None)

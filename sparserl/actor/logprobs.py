@@ -20,10 +20,9 @@ gather (+ entropy) `chunk` rows at a time; with autograd on, each chunk is check
 kept, and backward recomputes its logits), so the extra memory is O(chunk x V) instead of O(N x V), in the
 forward and in the backward. In the usual case (temperature only, entropy as a metric) the chunks run inside one
 autograd function with a hand-written backward (`_FusedHead`), which reuses one set of chunk buffers.
-Outside such a forward the head is the plain linear layer it was.
-When `parallelize` split the LM head by vocabulary over tp, each chunk's logits are this rank's (c, V/tp)
-slice and the log-probs come from `vocab_parallel_logprobs` (temperature only; top-p / top-k need the full
-vocabulary).
+Outside such a forward the head is the plain linear layer it was. `chunk` comes from `actor.logprob_chunk_mb`,
+by device unless set (`chunk_mb_for`). When `parallelize` split the LM head by vocabulary over tp, each chunk's
+logits are this rank's (c, V/tp) slice and the log-probs come from `vocab_parallel_logprobs` (temperature only).
 Left out on purpose: a fused Triton/CUDA kernel (the chunked matmul is already what bounds memory; a kernel
 would save the recomputed matmul), and models that post-process logits after the head (final logit
 soft-capping), which raise.
@@ -47,7 +46,9 @@ from sparserl.model.sampling import processed_logprobs, truncates
 
 HEAD_ATTR = "sparserl_logprob_head"
 SHARD_ATTR = "sparserl_vocab_shard"  # set on a vocabulary-split head by parallelize
-DEFAULT_CHUNK_MB = 64
+DEFAULT_CHUNK_MB: float | None = None  # by device: `chunk_mb_for`
+CHUNK_MB_CUDA = 1024.0  # a GPU has the memory, and its GEMMs want rows: ~1700 rows of a 152k vocabulary
+CHUNK_MB_OTHER = 64.0
 
 
 @dataclass
@@ -60,6 +61,20 @@ class PackedSeqs:
     @property
     def resp_lens(self) -> list[int]:
         return [len(x) - p for x, p in zip(self.ids, self.prompt_lens)]
+
+
+def chunk_mb_for(chunk_mb: float | None, device: torch.device) -> float:
+    """`actor.logprob_chunk_mb` on `device`: None (the default) is `CHUNK_MB_CUDA` on CUDA, else `CHUNK_MB_OTHER`."""
+    return float(chunk_mb) if chunk_mb is not None else CHUNK_MB_CUDA if device.type == "cuda" else CHUNK_MB_OTHER
+
+
+def host_to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host list (or CPU tensor) on `device` without a stream sync: on CUDA pinned and copied asynchronously (the
+    caching host allocator keeps the pinned buffer until the copy has run)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def chunk_rows(vocab_local: int, chunk_mb: float) -> int:
@@ -79,7 +94,7 @@ class LogprobHead:
     top_k: int = 0
     with_entropy: bool = False
     entropy_grad: bool = True
-    chunk_mb: float = DEFAULT_CHUNK_MB
+    chunk_mb: float | None = DEFAULT_CHUNK_MB  # None: by device
     shard: VocabShard | None = None
     logp: torch.Tensor | None = None  # (N,) float32
     entropy: torch.Tensor | None = None  # (N,) float32
@@ -88,7 +103,7 @@ class LogprobHead:
         h = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
         if self.shard is not None:
             h = copy_to_vocab_parallel(h, self.shard.group)
-        rows = chunk_rows(weight.shape[0], self.chunk_mb)
+        rows = chunk_rows(weight.shape[0], chunk_mb_for(self.chunk_mb, weight.device))
         grad = torch.is_grad_enabled()
         if self._fused(h, bias, grad):
             self.logp, ent = _FusedHead.apply(h, weight, self.targets, float(self.temperature), rows, self.with_entropy)
@@ -175,9 +190,8 @@ class _FusedHead(torch.autograd.Function):
     g * (onehot - softmax) / T), with far less memory traffic: every chunk reuses one set of (rows, V) buffers
     instead of allocating ~8 fresh ones (each a page-faulted mapping on CPU), the softmax gradient is formed in
     place, and the weight's gradient accumulates over chunks in one buffer (`addmm_`) instead of one (V, H)
-    tensor per chunk. Forward+backward of the comparison workload's batch (SmolLM2-135M fp32, 2-core CPU, the
-    trainer's allocator settings) went from 72-75 s to 65-67 s (docs/performance.md). Not used with top-p / top-k,
-    a vocabulary-split head, a bias, or an entropy with a gradient."""
+    tensor per chunk (docs/performance.md has its timing). Not used with top-p / top-k, a vocabulary-split head,
+    a bias, or an entropy with a gradient."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, temperature: float, rows: int, with_entropy: bool):
@@ -265,7 +279,7 @@ def packed_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     hold_context: contextlib.ExitStack | None = None,
-    chunk_mb: float = DEFAULT_CHUNK_MB,
+    chunk_mb: float | None = DEFAULT_CHUNK_MB,
     share_prompts: bool = True,
     cp: CPGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -290,16 +304,16 @@ def packed_logprobs(
         logp, ent = _cp_forward(model, flat, pos, keep, targets, spans, device, cp, hold_context,
                                 (temperature, top_p, top_k, with_entropy, entropy_grad, chunk_mb, shard))
     else:
-        head = LogprobHead(torch.tensor(targets, device=device), temperature, top_p, top_k, with_entropy,
+        head = LogprobHead(host_to_device(targets, device), temperature, top_p, top_k, with_entropy,
                            entropy_grad, chunk_mb, shard)
         ctx = ForwardContext(spans=spans, head=head)
         with contextlib.ExitStack() as local:
             (hold_context or local).enter_context(forward_context(ctx))
             model(
-                input_ids=torch.tensor([flat], device=device),
-                position_ids=torch.tensor([pos], device=device),
+                input_ids=host_to_device([flat], device),
+                position_ids=host_to_device([pos], device),
                 use_cache=False,
-                logits_to_keep=torch.tensor(keep, device=device),
+                logits_to_keep=host_to_device(keep, device),
             )
         logp, ent = head.logp, head.entropy
     ent = unflatten(ent, seqs.resp_lens) if with_entropy else None
@@ -313,15 +327,15 @@ def _cp_forward(model, flat, pos, keep, targets, spans, device, cp: CPGroup, hol
     kept = kept_rows(plan, keep, cp.rank)
     ids = plan.shard(torch.tensor(flat), cp.rank, fill=0)
     positions = plan.positions(cp.rank, torch.tensor(pos))
-    head = LogprobHead(torch.tensor(targets)[kept.mine].to(device), *head_args)
+    head = LogprobHead(host_to_device(torch.tensor(targets)[kept.mine], device), *head_args)
     ctx = ForwardContext(head=head, cp=CPAttention(plan, cp.group))
     with contextlib.ExitStack() as local:
         (hold_context or local).enter_context(forward_context(ctx))
         model(
-            input_ids=ids[None].to(device),
-            position_ids=positions[None].to(device),
+            input_ids=host_to_device(ids[None], device),
+            position_ids=host_to_device(positions[None], device),
             use_cache=False,
-            logits_to_keep=kept.local.to(device),
+            logits_to_keep=host_to_device(kept.local, device),
         )
     if head.entropy is None:
         return gather_kept(head.logp, kept, cp), None
@@ -380,5 +394,5 @@ def unflatten(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """(sum(lengths),) -> (len(lengths), max(lengths)) zero-padded, differentiable."""
     T = max(lengths) if lengths else 0
     out = x.new_zeros(len(lengths), T)
-    idx = torch.cat([torch.arange(n, device=x.device) + i * T for i, n in enumerate(lengths)]) if lengths else x.new_zeros(0, dtype=torch.long)
+    idx = host_to_device([i * T + j for i, n in enumerate(lengths) for j in range(n)], x.device)
     return out.view(-1).index_put((idx,), x).view(len(lengths), T)

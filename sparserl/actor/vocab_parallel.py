@@ -80,8 +80,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         grad = torch.zeros_like(z)
         if g_logp is not None:  # d logp / dz = onehot - p
             grad -= g_logp[:, None] * p
-            rows = owned.nonzero().squeeze(-1)
-            grad[rows, local[rows]] += g_logp[rows]
+            if grad.shape[1]:  # fixed shapes, no host sync: rows whose target another rank owns add 0
+                owned_g = torch.where(owned, g_logp, torch.zeros_like(g_logp))
+                grad.scatter_add_(1, local.clamp(0, grad.shape[1] - 1)[:, None], owned_g[:, None])
         if g_ent is not None:  # d H / dz_j = p_j (E_p[z] - z_j)
             grad += g_ent[:, None] * p * (mean_z[:, None] - z)
         return (grad / ctx.temperature).to(logits.dtype), None, None, None, None, None

@@ -186,8 +186,10 @@ class ActorConfig:
     max_grad_norm: float = opt(1.0, "gradients clipped to this global norm", rule=above(0))
     max_tokens_per_device: int = opt(4096, "tokens per packed micro-batch on each device (with parallel.cp=C a "
                                            "micro-batch holds C times as many, split over the cp ranks)", rule=COUNT)
-    logprob_chunk_mb: float = opt(64.0, "LM head + log-softmax in row chunks of this many MB of fp32 logits; 0 = "
-                                        "all at once", rule=NON_NEG)
+    logprob_chunk_mb: float | None = opt(None, "LM head + log-softmax in row chunks of this many MB of fp32 logits; "
+                                               "null = by device (1024 on CUDA, 64 elsewhere); 0 = all at once",
+                                         rule=Rule(lambda v: v is None or NON_NEG.test(v),
+                                                   f"{NON_NEG.desc}, or null (by device)"))
     updates_per_rollout: int = opt(1, "optimizer steps per rollout (minibatches)", rule=COUNT)
     ppo_epochs: int = opt(1, "passes over each rollout", rule=COUNT)
     balance_ranks: bool = opt(True, "move sequences between DP ranks before the update so token loads are equal")

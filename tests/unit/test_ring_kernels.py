@@ -138,3 +138,82 @@ def test_merge_with_an_empty_side():
         assert torch.equal(got_l, l_) and (got_o - o).abs().max() < 1e-6
     both_o, both_l = merge(empty_o, empty_l, empty_o, empty_l)
     assert torch.isinf(both_l).all() and torch.equal(both_o, empty_o)
+
+
+def simulated_ring(q, k, v, plan, scale):
+    """Every rank's share of ring attention in one process, without communication: the same blocks, kernels and
+    merge as `_RingAttention`, forward and backward (the output's gradient: ones on real rows, 0 on padding). Returns the unsharded
+    output (T, H, D) and gradients dq (T, H, D), dk, dv (T, Hkv, D), all fp32."""
+    cp, dev = plan.cp, q.device
+    qs, ks, vs = ([plan.shard(x, r) for r in range(cp)] for x in (q, k, v))
+    outs, lses = [], []
+    for r in range(cp):
+        out = torch.zeros(qs[r].shape, dtype=torch.float32, device=dev)
+        lse = torch.full(qs[r].shape[:2], float("-inf"), device=dev)
+        for j in range(cp):
+            blk = plan.block(r, j, dev)
+            if blk is not None:
+                o_b, l_b = block_attention(ring._take(qs[r], blk.rows), ring._take(ks[j], blk.cols),
+                                           ring._take(vs[j], blk.cols), blk.mask, scale)
+                merged, new = merge(ring._take(out, blk.rows), ring._take(lse, blk.rows), o_b, l_b)
+                out, lse = (merged, new) if blk.rows is None else (out.index_copy(0, blk.rows, merged),
+                                                                   lse.index_copy(0, blk.rows, new))
+        outs.append(out)
+        lses.append(lse)
+    dout = [plan.rows[r].valid.to(dev, torch.float32)[:, None, None].expand_as(outs[r]) for r in range(cp)]
+    dq = [torch.zeros_like(o) for o in outs]
+    dk = [torch.zeros(x.shape, dtype=torch.float32, device=dev) for x in ks]
+    dv = [torch.zeros_like(x) for x in dk]
+    for r in range(cp):
+        for j in range(cp):
+            blk = plan.block(r, j, dev)
+            if blk is None:
+                continue
+            rows, cols = (torch.arange(n, device=dev) if i is None else i for n, i in
+                          ((plan.local_len, blk.rows), (plan.local_len, blk.cols)))
+            g = block_attention_backward(qs[r][rows], ks[j][cols], vs[j][cols], blk.mask, scale,
+                                         dout[r][rows], lses[r][rows], outs[r][rows])
+            dq[r].index_add_(0, rows, g[0])
+            dk[j].index_add_(0, cols, g[1])
+            dv[j].index_add_(0, cols, g[2])
+    return tuple(plan.unshard_gathered(torch.stack(x)) for x in (outs, dq, dk, dv))
+
+
+def packed_reference(q, k, v, spans, scale):
+    """Attention under the packed rule, fp32 autograd: (out, dq, dk, dv) for an all-ones output gradient."""
+    t = q.shape[0]
+    span = torch.empty(t, dtype=torch.long)
+    for i, sp in enumerate(spans):
+        span[sp.start : sp.end] = i
+    prefix = torch.tensor([-1 if sp.prefix is None else sp.prefix for sp in spans])[span]
+    pos = torch.arange(t)
+    mask = ((span[:, None] == span[None]) & (pos[None] <= pos[:, None])) | (prefix[:, None] == span[None])
+    q, k, v = (x.detach().float().requires_grad_() for x in (q, k, v))
+    out, _ = _reference(q, k, v, mask.to(q.device), scale)
+    out.sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+
+
+def ring_spans():
+    from sparserl.model.attention import Span
+
+    return [Span(0, 40), Span(40, 70, prefix=0), Span(70, 95, prefix=0), Span(95, 150), Span(150, 153)]
+
+
+@pytest.mark.parametrize("kind", ["cpu", "explicit", "cuda"])
+def test_simulated_ring_equals_one_attention(monkeypatch, kind):
+    """Three ranks' blocks of a zigzag plan (prefix spans, padding, uneven lengths), merged and differentiated as the
+    ring does, against one attention over the packed row; "cuda" through the stand-in, in tiles of a few rows."""
+    from sparserl.actor.context_parallel import zigzag_plan
+
+    monkeypatch.setattr(ring, "_kind", lambda device: kind)
+    monkeypatch.setattr(ring, "_efficient_ops", lambda: (fake_forward, fake_backward))
+    monkeypatch.setattr(ring, "TILE_BIAS", 200)
+    monkeypatch.setattr(ring, "TILE_SCORES", 300)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(153, n, 16, generator=g) for n in (6, 2, 2))
+    got = simulated_ring(q, k, v, zigzag_plan(ring_spans(), 3), 0.25)
+    for a, b in zip(got, packed_reference(q, k, v, ring_spans(), 0.25)):
+        assert (a - b).abs().max() < 1e-4
