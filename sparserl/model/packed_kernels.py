@@ -7,8 +7,8 @@ fp32 and materializes the (H, n, p + n) scores. On CUDA the whole micro-batch is
 
 - `flash_attn`: flash-attn's `flash_attn_varlen_func`, where that package imports (fp16 / bf16).
 - `varlen`: torch's `torch.nn.attention.varlen.varlen_attn` (the same flash kernel inside torch; fp16 / bf16 on
-  sm80 and newer). Its keyword set changed between torch releases (`is_causal` vs `window_size`, `enable_gqa`),
-  so the call is built from the signature found at run time.
+  sm80 and newer). Its keyword set changed between torch releases (`is_causal` vs `window_size`, `enable_gqa`,
+  `scale`), so the call is built from the signature found at run time.
 - `flex`: `flex_attention` (compiled on CUDA) with a document + prefix block mask; the only one of the three that
   takes fp32, and the fallback where neither varlen kernel is there.
 
@@ -78,12 +78,19 @@ def flash_attn_available() -> bool:
 
 
 def torch_varlen_available(device: torch.device) -> bool:
-    """torch's varlen_attn exists and the device runs its flash kernel (sm80 and newer)."""
+    """torch's varlen_attn exists and runs its flash kernel on the device (sm80 and newer). Where a torch release
+    routes it to cuDNN instead, it is left out: that path refuses GQA and its causal alignment is not flash's."""
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        from torch.nn.attention import varlen
     except ImportError:
         return False
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    cudnn = getattr(varlen, "_should_use_cudnn", None)
+    try:
+        return not (cudnn is not None and cudnn(torch.device(device).index or 0))
+    except Exception:  # a private helper whose form changed: trust the flash default
+        return True
 
 
 def flex_available() -> bool:
@@ -237,12 +244,8 @@ def _torch_varlen(q, k, v, lay: PackedLayout, scale):
         kw["window_size"] = (-1, 0)  # causal, aligned bottom-right
     else:
         kw["is_causal"] = True
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            kw["enable_gqa"] = True
-        else:
-            g = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    if k.shape[1] != q.shape[1] and "enable_gqa" in params:
+        kw["enable_gqa"] = True  # releases without the flag pass GQA straight to the flash kernel, which takes it
     return varlen_attn(q, k, v, lay.cu_q, lay.cu_k, lay.max_q, lay.max_k, **kw)
 
 

@@ -230,7 +230,7 @@ def test_forcing(monkeypatch):
 
 def test_torch_varlen_keywords_follow_the_signature(monkeypatch):
     """torch releases name causality `is_causal` or `window_size` and may lack `enable_gqa` / `scale`: the call
-    adapts (repeating KV heads, folding the scale into the queries) and stays causal bottom-right."""
+    adapts (the scale folded into the queries) and stays causal bottom-right, GQA passed as it is."""
     import torch.nn.attention.varlen as tv
 
     spans = make_spans([3, 2, 1], [None, 0, 0])
@@ -253,4 +253,18 @@ def test_torch_varlen_keywords_follow_the_signature(monkeypatch):
         pk._varlen_params.cache_clear()
         assert (pk.attend(lay, q, k, v, 0.3) - ref).abs().max() < 1e-5
     pk._varlen_params.cache_clear()
-    assert seen == [(4, True), (2, (-1, 0), True)]
+    assert seen == [(2, True), (2, (-1, 0), True)]
+
+
+def test_torch_varlen_is_left_out_where_it_would_run_cudnn(monkeypatch):
+    import torch.nn.attention.varlen as tv
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(tv, "_should_use_cudnn", lambda index: False, raising=False)
+    assert pk.torch_varlen_available(CUDA)
+    monkeypatch.setattr(tv, "_should_use_cudnn", lambda index: True, raising=False)
+    assert not pk.torch_varlen_available(CUDA)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(tv, "_should_use_cudnn", lambda index: False, raising=False)
+    assert not pk.torch_varlen_available(CUDA)
+    assert not pk.torch_varlen_available(CPU)
