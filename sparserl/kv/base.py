@@ -150,21 +150,22 @@ def select_keep(scores: Tensor, n_keep: int, window: int, shared: bool, normaliz
     Per head: the last min(window, L) entries, plus the top (n_keep - window) other entries by score.
     shared=True picks one set for all heads from the sum of the head scores, each min-max-normalized first
     unless normalize=False (rows then equal); it assumes the heads hold the same tokens in the same slots, which a
-    shared set guarantees.
+    shared set guarantees. scores may carry leading batch dims, (..., H_kv, L) -> (..., H_kv, n_keep): requests
+    of the same length, each selected on its own exactly as alone (every step works row by row).
     """
-    n_heads, n_cached = scores.shape
+    *lead, n_heads, n_cached = scores.shape
     if n_keep >= n_cached:
-        return torch.arange(n_cached, device=scores.device).expand(n_heads, n_cached).clone()
+        return torch.arange(n_cached, device=scores.device).expand(*lead, n_heads, n_cached).clone()
     n_win = min(window, n_cached)
     if n_keep < n_win:
         raise ValueError(f"n_keep={n_keep} is smaller than the observation window ({n_win}), which is always kept")
     n_cand = n_cached - n_win
-    candidates = scores[:, :n_cand].float()
+    candidates = scores[..., :n_cand].float()
     if shared:
-        candidates = (normalize_rows(candidates) if normalize else candidates).sum(dim=0, keepdim=True)  # (1, C)
+        candidates = (normalize_rows(candidates) if normalize else candidates).sum(dim=-2, keepdim=True)  # (..., 1, C)
     top = candidates.topk(n_keep - n_win, dim=-1, sorted=False).indices.sort(dim=-1).values
-    recent = torch.arange(n_cand, n_cached, device=scores.device).expand(top.shape[0], n_win)
-    return torch.cat([top, recent], dim=-1).expand(n_heads, n_keep).contiguous()
+    recent = torch.arange(n_cand, n_cached, device=scores.device).expand(*top.shape[:-1], n_win)
+    return torch.cat([top, recent], dim=-1).expand(*lead, n_heads, n_keep).contiguous()
 
 
 def reduce_scores(scores_list: list[Tensor], normalize: bool = True) -> Tensor:

@@ -1,4 +1,4 @@
-"""KV compaction of one request in a slot pool: its query window, the logical positions of what it holds, and
+"""KV compaction of requests in a slot pool: its query window, the logical positions of what it holds, and
 the entries each layer and KV head keeps. Pure torch; both engines adapt it to their memory.
 
 The pool it works on is one tensor per layer, (slots, H_kv, D), keys post-RoPE, as the native engine's
@@ -8,21 +8,27 @@ tensor of its slots in entry order (the native sequence's `slots`, SGLang's `req
 - `QueryRing`: the last `window` queries of every layer per ring row (one row per running request, plus one
   spare row no request owns), (rows + 1, window, H_q, D) per layer, allocated by the first capture. `plan` maps
   a forward's tokens to ring places once; `capture` then writes a layer with one indexed copy (`capture_rows`:
-  one query per row, places given). A row is read oldest query first, copied
-  out and back in (a held session), or copied from another row (a fork).
+  one query per row, places given). A row is read oldest query first, copied out and back in (a held session),
+  or copied from another row (a fork).
 - `CompactionState`: what a request carries between compactions: queries seen, the logical positions of the
   entries kept last time, per layer and KV head (heads may keep different tokens, since keys carry their RoPE
   already), and the logical position of the first entry appended after it; appended entries are consecutive.
-- `select_entries`: every layer's `score_tokens` (window queries against the held keys), then `select_keep`
-  per head, per layer (share=layer) or once per request over `reduce_scores` (share=all): per layer the
-  (H_kv, keep) entry indices and their logical positions.
-- `compact_entries`: the selection moved into the request's first `keep` slots, per layer and per head, and
-  recorded in the state. New tokens keep their logical positions; only slots are renumbered.
+- `select_entries`: one request, layer by layer: every layer's `score_tokens` (window queries against the held
+  keys), then `select_keep` per head, per layer (share=layer) or once per request over `reduce_scores`
+  (share=all): per layer the (H_kv, keep) entry indices and their logical positions. It is the definition the
+  batched selection reproduces.
+- `compact_batch`: every request due at a step at once. `batch_chunks` groups them by shape (entries held, window
+  queries, keep); `select_batch` scores a chunk with one pass per layer, the requests folded into the head dim,
+  and picks each request's keep-set exactly as `select_entries` would; `move_entries` then moves the selection of
+  all of them into each request's first `keep` slots, per layer and per head, with one gather and one scatter per
+  buffer, and the states record it. New tokens keep their logical positions; only slots are renumbered.
+  `compact_entries` is the same for one request.
 
 An engine adapter supplies the slots and buffers, steps the `CompressionSchedule`, and frees the slots of
 entries keep..n-1 to its own allocator.
 Left out on purpose: slot allocation and freeing, triggers and admission (the engines' own), compressing at
-prefill, and batching the scoring across requests (each trigger is per request).
+prefill, and padding rows of different lengths into one chunk (it would change reduction and tie orders, so
+the keep-sets; such requests are scored in chunks of their own).
 """
 from __future__ import annotations
 
@@ -164,23 +170,120 @@ def select_entries(cfg: KVPolicyConfig, state: CompactionState, ring: QueryRing,
     return indices, kept
 
 
+# Scoring works on a whole chunk of same-shape requests at once; R-KV's redundancy holds (rows * H_kv, n, n) floats,
+# so a chunk is cut to about this many of them (one request per chunk at the least).
+CHUNK_SCORE_ELEMENTS = 1 << 27
+
+
+@dataclass
+class DueRequest:
+    """A request due for compaction: its state and ring row, its n held entries' slots (n,) long, the entries to keep
+    per layer and KV head, and its logical length (where the entries appended from now on start)."""
+
+    state: CompactionState
+    row: int
+    slots: Tensor
+    keep: int
+    cached: int
+
+
+def batch_chunks(due: list[DueRequest], window: int, num_kv_heads: int) -> list[list[int]]:
+    """Indices into `due`, grouped by (n held, window queries, keep) and cut to `CHUNK_SCORE_ELEMENTS`: the requests
+    one `select_batch` call scores together. Same shapes only: padding a row would change its reductions' order
+    (softmax sums, means) and the top-k's tie order, and so the keep-set."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i, d in enumerate(due):
+        n = d.slots.shape[0]
+        groups.setdefault((n, min(window, d.state.queries_seen, n), d.keep), []).append(i)
+    chunks = []
+    for (n, _, _), members in groups.items():
+        size = max(1, CHUNK_SCORE_ELEMENTS // (num_kv_heads * n * n))
+        chunks += [members[i:i + size] for i in range(0, len(members), size)]
+    return chunks
+
+
+def select_batch(cfg: KVPolicyConfig, ring: QueryRing, due: list[DueRequest], k_buffers: list[Tensor]
+                 ) -> tuple[Tensor, Tensor]:
+    """`select_entries` for b requests holding the same n entries, with the same window and keep, in one pass per
+    layer: the batch is folded into the head dim ((b * H_kv, n, D) keys, (b * H_q, w, D) queries), which every
+    policy scores row by row, so each request's scores and keep-set are the ones it gets alone.
+
+    Returns the (b, layers, H_kv, keep) entry indices and their logical positions.
+    """
+    b, n, keep = len(due), due[0].slots.shape[0], due[0].keep
+    num_layers, num_kv_heads = len(k_buffers), k_buffers[0].shape[1]
+    device = due[0].slots.device
+    slots = torch.stack([d.slots for d in due])  # (b, n)
+    positions = torch.stack([d.state.positions(n, num_layers, num_kv_heads, device) for d in due])  # (b, L, H, n)
+    w = min(ring.window, due[0].state.queries_seen, n)
+    orders = [[(d.state.queries_seen - w + i) % ring.window for i in range(w)] for d in due]  # as `window_order`
+    orders = torch.tensor(orders, dtype=torch.long, device=device)  # (b, w)
+    rows = torch.tensor([d.row for d in due], dtype=torch.long, device=device)[:, None]
+    scores = []
+    for layer in range(num_layers):
+        keys = k_buffers[layer][slots].transpose(1, 2).flatten(0, 1)  # (b * H_kv, n, D)
+        queries = ring.buffers[layer][rows, orders].transpose(1, 2).flatten(0, 1)  # (b * H_q, w, D)
+        layer_scores = score_tokens(cfg, keys, queries, positions[:, layer].flatten(0, 1))
+        scores.append(layer_scores.view(b, num_kv_heads, n))
+    shared, norm = cfg.share != "head", cfg.normalize_sums
+    if cfg.share == "all":
+        combined = select_keep(reduce_scores(scores, norm), keep, w, shared=True, normalize=norm)
+        indices = combined.unsqueeze(1).expand(b, num_layers, num_kv_heads, keep)
+    else:
+        indices = torch.stack([select_keep(layer_scores, keep, w, shared, norm) for layer_scores in scores], dim=1)
+    return indices, positions.gather(-1, indices)
+
+
+def move_entries(moves: list[tuple[Tensor, Tensor]], k_buffers: list[Tensor], v_buffers: list[Tensor]) -> None:
+    """Each head's kept entries into its request's first `keep` slots, for every request at once: per layer one
+    gather and one scatter of K and of V. moves: per chunk, its (b, n) slots and (b, layers, H_kv, keep) indices.
+    The requests' slots must be disjoint (each owns its own)."""
+    num_layers, num_kv_heads = len(k_buffers), k_buffers[0].shape[1]
+    srcs, dsts = [], []
+    for slots, indices in moves:
+        b, keep = slots.shape[0], indices.shape[-1]
+        src = slots[:, None, None, :].expand(b, num_layers, num_kv_heads, -1).gather(-1, indices)  # (b, L, H, keep)
+        srcs.append(src.permute(1, 2, 0, 3).reshape(num_layers, num_kv_heads, b * keep))
+        dsts.append(slots[:, :keep].reshape(-1))
+    src = srcs[0] if len(srcs) == 1 else torch.cat(srcs, dim=-1)  # (layers, H_kv, T): per head, where entry t comes from
+    dst = dsts[0] if len(dsts) == 1 else torch.cat(dsts)  # (T,): where entry t goes
+    heads = torch.arange(num_kv_heads, device=dst.device)[:, None]
+    for layer in range(num_layers):
+        for buf in (k_buffers[layer], v_buffers[layer]):
+            gathered = buf[src[layer], heads]  # (H_kv, T, D), a copy, so the in-place write below is safe
+            buf[dst] = gathered.transpose(0, 1)
+
+
 @torch.inference_mode()
+def compact_batch(cfg: KVPolicyConfig, ring: QueryRing, due: list[DueRequest], k_buffers: list[Tensor],
+                  v_buffers: list[Tensor]) -> list[Tensor]:
+    """Compact every request in `due` in place, as `compact_entries` would one by one, with the keep-sets it would
+    choose: scoring and selection per chunk of same-shape requests (`batch_chunks`, `select_batch`), then the moves
+    of all of them together (`move_entries`). Returns each request's new kept positions, also in its state."""
+    if not due:
+        return []
+    kept: list[Tensor | None] = [None] * len(due)
+    moves = []
+    for members in batch_chunks(due, ring.window, k_buffers[0].shape[1]):
+        chunk = [due[i] for i in members]
+        indices, positions = select_batch(cfg, ring, chunk, k_buffers)
+        moves.append((torch.stack([d.slots for d in chunk]), indices))
+        for j, i in enumerate(members):
+            kept[i] = positions[j]
+    move_entries(moves, k_buffers, v_buffers)
+    for d, positions in zip(due, kept):
+        d.state.kept_positions = positions
+        d.state.appended_from = d.cached
+    return kept
+
+
 def compact_entries(cfg: KVPolicyConfig, state: CompactionState, ring: QueryRing, row: int, slots: Tensor,
                     k_buffers: list[Tensor], v_buffers: list[Tensor], keep: int, cached: int) -> Tensor:
-    """Compact the request held in `slots` (n,) to `keep` entries per layer and KV head, in place.
+    """Compact the request held in `slots` (n,) to `keep` entries per layer and KV head, in place (`compact_batch`
+    with a batch of one).
 
     Head h of layer l ends with its j-th kept entry in `slots[j]`; the slots of entries keep..n-1 hold nothing
     the request needs any more (the caller frees them). `cached`: the request's logical length, where the
     entries appended from now on start. Returns the new kept positions, (layers, H_kv, keep), also in `state`.
     """
-    indices, kept = select_entries(cfg, state, ring, row, slots, k_buffers, keep)
-    heads = torch.arange(k_buffers[0].shape[1], device=slots.device)[:, None]
-    dst = slots[:keep]
-    for layer, idx in enumerate(indices):
-        src = slots[idx]  # (H_kv, keep): the slot each head reads its j-th kept entry from
-        for buf in (k_buffers[layer], v_buffers[layer]):
-            gathered = buf[src, heads]  # (H_kv, keep, D), a copy, so the in-place write below is safe
-            buf[dst] = gathered.transpose(0, 1)
-    state.kept_positions = kept
-    state.appended_from = cached
-    return kept
+    return compact_batch(cfg, ring, [DueRequest(state, row, slots, keep, cached)], k_buffers, v_buffers)[0]

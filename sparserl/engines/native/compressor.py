@@ -12,9 +12,10 @@ A sequence whose KV the engine keeps as a session hands its state over as a `Car
 query window, copied out of the ring) and the next turn's sequence picks it up, so the compressed cache
 continues with true logical positions; the new turn's own tokens are its prompt for the floor
 (`CompressionSchedule(cfg, new tokens)`), while earlier turns are compressible like generated tokens. Forked
-siblings start from their leader's prompt queries.
+siblings start from their leader's prompt queries. The sequences due after a step are compacted together, in one
+batched pass (`compact_batch`), each with the keep-set it would get alone.
 Left out on purpose: compressing at prefill (the first trigger comes with the first decode step past the
-floor), cross-request batching of the scoring (each trigger is per request).
+floor).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from sparserl.kv import CompressionSchedule, KVPolicyConfig, NewlineTokens
-from sparserl.kv.compaction import CompactionState, QueryRing, compact_entries
+from sparserl.kv.compaction import CompactionState, DueRequest, QueryRing, compact_batch
 from sparserl.engines.native.scheduler import ScheduledBatch, Scheduler
 from sparserl.engines.native.sequence import Sequence
 
@@ -125,24 +126,36 @@ class Compressor:
 
     # ------------------------------------------------------------ after sampling
     def after_step(self, live: list[Sequence], scheduler: Scheduler) -> None:
+        """Step every live sequence's schedule; compact all the due ones together."""
+        due = []
         for seq in live:
             st = self._state[seq.seq_id]
             if st.schedule.on_token(len(seq.slots), self._is_newline(seq.output[-1])):
-                self.compress(seq, st, scheduler)
+                due.append((seq, st))
+        if due:
+            self.compress_all(due, scheduler)
 
     def _is_newline(self, token: int) -> bool:
         return self._newline(token, self.tokenizer)
 
-    @torch.inference_mode()
     def compress(self, seq: Sequence, st: _SeqState, scheduler: Scheduler) -> None:
+        """Compact one sequence now (`compress_all` with one)."""
+        self.compress_all([(seq, st)], scheduler)
+
+    @torch.inference_mode()
+    def compress_all(self, due: list[tuple[Sequence, _SeqState]], scheduler: Scheduler) -> None:
+        """Compact the due sequences in one batched pass (`compact_batch`: the keep-sets each would get alone), then
+        free each one's evicted slots in order. Each is charged an equal share of the pass's time."""
         t0 = time.perf_counter()
         r = self.runner
-        keep = st.schedule.target_len()
-        slots = torch.tensor(seq.slots, dtype=torch.long, device=r.device)
-        compact_entries(self.cfg, st, self.ring, st.row, slots, r.k_cache, r.v_cache, keep, seq.num_cached)
-        scheduler.release_slots(seq, seq.slots[keep:])
-        seq.slots = seq.slots[:keep]
-        seq.slots_version += 1
-        seq.compressions += 1
-        seq.compressed_at.append(len(seq.output))  # output[k:] is sampled from the compressed cache
-        seq.compress_s += time.perf_counter() - t0
+        work = [DueRequest(st, st.row, torch.tensor(seq.slots, dtype=torch.long, device=r.device),
+                           st.schedule.target_len(), seq.num_cached) for seq, st in due]
+        compact_batch(self.cfg, self.ring, work, r.k_cache, r.v_cache)
+        seconds = (time.perf_counter() - t0) / len(due)
+        for (seq, _), item in zip(due, work):
+            scheduler.release_slots(seq, seq.slots[item.keep:])
+            seq.slots = seq.slots[:item.keep]
+            seq.slots_version += 1
+            seq.compressions += 1
+            seq.compressed_at.append(len(seq.output))  # output[k:] is sampled from the compressed cache
+            seq.compress_s += seconds

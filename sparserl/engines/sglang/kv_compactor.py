@@ -14,11 +14,12 @@ the native engine runs; this module only maps it onto SGLang's memory layout:
   adds it to SGLang's decode positions (physical length - 1), so a new token gets its true RoPE position.
 - the schedule steps once per sampled token (`on_token`), from the request's output count, and each
   compaction is kept as an event until the backend reports it (`take_events`).
+- `compact_many` compacts the requests due at one step together, in one batched pass (`compact_batch`), each
+  with the keep-set it would get alone; `compact` is one request.
 
 Left out on purpose: compressing at prefill (the first trigger comes with the first decode step past the
-floor, as in the native engine), cross-request batching of the scoring (each trigger is per request), and
-share=layer/all across tensor-parallel ranks (they would need an all-reduce of the scores; share=head is
-rank-local because each rank holds whole KV heads).
+floor, as in the native engine), and share=layer/all across tensor-parallel ranks (they would need an
+all-reduce of the scores; share=head is rank-local because each rank holds whole KV heads).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparserl.kv import CompressionSchedule, KVPolicyConfig
-from sparserl.kv.compaction import CaptureIndex, CompactionState, QueryRing, compact_entries
+from sparserl.kv.compaction import CaptureIndex, CompactionState, DueRequest, QueryRing, compact_batch
 
 
 @dataclass
@@ -114,7 +115,6 @@ class KVCompactor:
             due = st.schedule.on_token(held, newline) or due
         return due
 
-    @torch.inference_mode()
     def compact(self, row: int, slots: torch.Tensor, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
                 outputs: int, trace: bool = False) -> Compaction:
         """Compress the request at `row`, whose n held entries live in `slots` (n,), down to the schedule's target.
@@ -122,19 +122,30 @@ class KVCompactor:
         `k_buffers[l]` / `v_buffers[l]`: the pool's (slots, H_kv, D) tensors of layer l, edited in place. Returns
         the slots to free (the row's entries keep..n-1); the caller frees them and shortens the row.
         """
+        return self.compact_many([(row, slots, outputs)], k_buffers, v_buffers, trace)[0]
+
+    @torch.inference_mode()
+    def compact_many(self, due: list[tuple[int, torch.Tensor, int]], k_buffers: list[torch.Tensor],
+                     v_buffers: list[torch.Tensor], trace: bool = False) -> list[Compaction]:
+        """`compact` for every (row, slots, outputs) in `due` at once, in one batched pass (`compact_batch`: the same
+        keep-sets as one by one); each request is charged an equal share of the time. The rows must differ."""
         t0 = time.perf_counter()
-        st = self.state[row]
-        n = slots.shape[0]
-        keep = st.schedule.target_len()
-        assert keep < n, f"compaction of row {row} to {keep} entries, but it holds only {n}"
-        cached = n + self.offset[row]  # tokens the request has cached so far (logical length)
-        kept = compact_entries(self.cfg, st, self.ring, row, slots, k_buffers, v_buffers, keep, cached)
-        self.offset[row] = cached - keep
-        st.compressions += 1
-        seconds = time.perf_counter() - t0
-        st.compress_s += seconds
-        st.events.append((outputs, seconds, kept if trace else None))  # listed when reported
-        return Compaction(keep, slots[keep:].clone(), kept)
+        work = []
+        for row, slots, _ in due:
+            st = self.state[row]
+            n, keep = slots.shape[0], st.schedule.target_len()
+            assert keep < n, f"compaction of row {row} to {keep} entries, but it holds only {n}"
+            work.append(DueRequest(st, row, slots, keep, n + self.offset[row]))  # cached: the logical length
+        kept = compact_batch(self.cfg, self.ring, work, k_buffers, v_buffers)
+        seconds = (time.perf_counter() - t0) / max(1, len(due))
+        out = []
+        for (row, slots, outputs), item, positions in zip(due, work, kept):
+            self.offset[row] = item.cached - item.keep
+            item.state.compressions += 1
+            item.state.compress_s += seconds
+            item.state.events.append((outputs, seconds, positions if trace else None))  # listed when reported
+            out.append(Compaction(item.keep, slots[item.keep:].clone(), positions))
+        return out
 
     def take_events(self, row: int) -> list:
         """Compactions of `row` not reported yet: (tokens generated before it, seconds, kept positions or None)."""
