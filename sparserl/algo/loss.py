@@ -63,12 +63,15 @@ def policy_objective(
     logp_ref: Tensor | None = None,
     entropy: Tensor | None = None,
     kl_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+    host_metrics: bool = True,
+) -> tuple[Tensor, dict[str, float | Tensor]]:
     """Scalar loss for one micro-batch. Per-token inputs are (B, T); adv is (B, T) or (B, 1).
 
     `weights` / `kl_weights` are the detached correction weights (1.0 off-mask); `mask` is the
     corrected loss mask. `logp_ref` is required when kl_mode="loss" and kl_coef != 0; when given
-    otherwise, the KL is only reported.
+    otherwise, the KL is only reported. Metrics come back as python floats (one device sync), or with
+    `host_metrics=False` as detached 0-dim tensors on the loss's device, for a caller that sums them there and
+    reads them once per step (the actor's micro-batch loop).
     """
     pg_tok, pg_metrics = POLICY_LOSSES[cfg.policy_loss](
         logp, logp_old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip
@@ -98,10 +101,18 @@ def policy_objective(
         terms["actor/entropy"] = ent.detach()
 
     terms["actor/loss"] = loss.detach()
-    values = torch.stack([t.to(torch.float64) for t in terms.values()]).tolist()  # one device sync
-    metrics = dict(zip(terms.keys(), values))
-    metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
-    return loss, metrics
+    terms.update({f"actor/{k}": v for k, v in pg_metrics.items()})
+    if not host_metrics:
+        return loss, {k: v.detach() if isinstance(v, Tensor) else v for k, v in terms.items()}
+    return loss, _to_floats(terms)
+
+
+def _to_floats(terms: dict[str, Tensor | float]) -> dict[str, float]:
+    """The tensors among `terms` read back in one device sync; floats pass through."""
+    keys = [k for k, v in terms.items() if isinstance(v, Tensor)]
+    values = dict(zip(keys, torch.stack([terms[k].detach().to(torch.float64).reshape(()) for k in keys]).tolist())) \
+        if keys else {}
+    return {k: values.get(k, v) for k, v in terms.items()}
 
 
 def kl_reward_penalty(

@@ -3,7 +3,9 @@
 Every loss takes the learner's log-probs `logp` (B, T) with grad, the dense old policy's `logp_old`
 (B, T), advantages (B, T) or (B, 1), and the loss mask (B, T); it returns the per-token loss (B, T),
 unreduced and unweighted (aggregation and correction weights are applied by `loss.policy_objective`),
-plus metrics: masked means over this call, as python floats.
+plus metrics: masked means over this call, as 0-dim tensors on the loss's device (python floats are accepted
+too), read back by `loss.policy_objective` in one copy with its own, or not at all where the caller sums them on
+the device.
 
 The PPO ratio is always taken against the *dense* old policy; the sparse sampler enters only through
 the detached correction weights (the decoupled objective: sampler -> old policy by importance weights,
@@ -19,11 +21,11 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from sparserl.algo.aggregation import masked_mean, metrics_to_floats
+from sparserl.algo.aggregation import masked_mean
 
 LOG_RATIO_CLAMP = 20.0
 
-PolicyLoss = Callable[..., tuple[Tensor, dict[str, float]]]
+PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor | float]]]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 # Losses whose every token is 0, with a zero gradient, where the advantage is 0 (the loss is the advantage times a
 # finite factor): the actor may skip backward over such sequences (`actor.skip_zero_advantage`).
@@ -65,7 +67,7 @@ def ppo_clip(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)).
 
     `clip_high > clip_low` is DAPO's clip-higher. `dual_clip = c > 1` bounds the loss of negative-advantage
@@ -95,7 +97,7 @@ def ppo_clip(
         dual = (adv < 0) & (loss > bound)
         loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
         metrics["dual_clip_frac"] = masked_mean(dual.to(loss.dtype), mask)
-    return loss, metrics_to_floats(metrics)
+    return loss, metrics
 
 
 @register_policy_loss("cispo", vanishes_at_zero_advantage=True)
@@ -107,7 +109,7 @@ def cispo(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1): -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp.
 
     The ratio is clipped but detached, so clipped tokens still pass a (bounded) gradient instead of none.
@@ -128,4 +130,4 @@ def cispo(
             "clip_frac_high": masked_mean(high.to(loss.dtype), mask),
             **_ratio_metrics(log_ratio, ratio, mask),
         }
-    return loss, metrics_to_floats(metrics)
+    return loss, metrics

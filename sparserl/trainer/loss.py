@@ -68,7 +68,7 @@ def make_loss_fn(cfg: LossConfig) -> LossFn:
         return policy_objective(
             cfg, logp, take(batch.logp_old), batch.advantages[idx][:, None], take(batch.mask), norm,
             weights=take(batch.weights), logp_ref=take(batch.logp_ref) if use_kl else None,
-            entropy=entropy, kl_weights=take(batch.kl_weights) if use_kl else None,
+            entropy=entropy, kl_weights=take(batch.kl_weights) if use_kl else None, host_metrics=False,
         )
 
     return loss_fn

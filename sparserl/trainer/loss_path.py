@@ -185,7 +185,7 @@ class FusedOldLogprobLoss:
         return policy_objective(
             self.loss_cfg, logp, logp_old, batch.advantages[idx][:, None], mask, norm, weights=weights,
             logp_ref=batch.logp_ref[idx, :T] if use_kl else None, entropy=entropy,
-            kl_weights=weights if use_kl and self.cfg.apply_to_kl else None,
+            kl_weights=weights if use_kl and self.cfg.apply_to_kl else None, host_metrics=False,
         )
 
     def finalize(self, batch: TrainBatch, index: list[int], norm: Normalizer) -> tuple[float, dict[str, float]]:
