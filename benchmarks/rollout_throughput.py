@@ -5,6 +5,10 @@ the matmul floor they are measured against.
     python benchmarks/rollout_throughput.py --engine native sglang   # in an environment with SGLang (docs/sglang.md)
     python benchmarks/rollout_throughput.py --engine native native:gather   # rollout.decode_cache auto (default) / off
     python benchmarks/rollout_throughput.py --engine native native:plain    # rollout.prepack auto (default) / off
+    python benchmarks/rollout_throughput.py --device cuda --engine native:eager native:graphs --repeats 2
+        # rollout.cuda_graphs off / on (auto = on for CUDA): eager decode steps vs captured ones, both vs HF generate;
+        # a graph engine is warmed up at each batch size first, and the best of the repeats leaves out the captures
+        # of buckets first met in a timed run
     python benchmarks/rollout_throughput.py --quantization none int8 --batch 1 16 64 --new-tokens 64
 
 `--quantization` compares quantized native engines instead (docs/quantization.md): new tokens/s per batch
@@ -164,11 +168,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--modes", nargs="+", default=["fixed"], choices=["fixed", "eos"])
-    ap.add_argument("--engine", nargs="+", default=["native"], choices=["native", "native:gather", "native:plain", "sglang"],
+    ap.add_argument("--engine", nargs="+", default=["native"], choices=["native", "native:gather", "native:plain", "native:eager", "native:graphs", "sglang"],
                 help="native: the engine's defaults (rollout.decode_cache=auto: contiguous decode K/V copies on CPU; "
                      "rollout.prepack=auto: float32 CPU weights packed for the decode batch); "
                      "native:gather: rollout.decode_cache=off (decode gathers every sequence's K/V per layer); "
-                     "native:plain: rollout.prepack=off (plain GEMMs)")
+                     "native:plain: rollout.prepack=off (plain GEMMs); native:eager / native:graphs: "
+                     "rollout.cuda_graphs=off / on (decode-only steps over static buffers, captured on CUDA)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--quantization", nargs="+", default=[],
                     help="compare native engines with these rollout.quantization values (none, int8, int8:dequant, w8a8, fp8)")
@@ -187,7 +192,8 @@ def main() -> None:
     for name in [e for e in args.engine if e.startswith("native")]:
         engines[name] = NativeEngine(load_model(args.model, args.dtype, args.device), tokenizer, num_slots=max(args.batch) * 512,
                                      max_batch_tokens=MAX_BATCH_TOKENS, decode_cache="off" if name == "native:gather" else "auto",
-                                     prepack="off" if name == "native:plain" else "auto")
+                                     prepack="off" if name == "native:plain" else "auto",
+                                     cuda_graphs={"native:eager": "off", "native:graphs": "on"}.get(name, "auto"))
     if "sglang" in args.engine:
         engines["sglang"] = start_sglang(args.model, args.dtype, max(args.batch), tokenizer)
     print(f"machine: {machine()}\nmodel: {args.model} ({args.dtype}), {args.new_tokens} new tokens\n")
@@ -200,6 +206,9 @@ def main() -> None:
             prompts = gsm8k_prompts(tokenizer, b)
             ignore = mode == "fixed"
             runs = {"hf": lambda: hf_generate(model, tokenizer, prompts, args.new_tokens, ignore)}
+            for engine in engines.values():
+                if getattr(getattr(engine, "runner", None), "graphs", None) is not None:
+                    engine_generate(engine, prompts, 8, ignore)  # captures this batch size's bucket
             for name, engine in engines.items():
                 runs[name] = lambda engine=engine: engine_generate(engine, prompts, args.new_tokens, ignore)
                 runs[name + ":1"] = lambda engine=engine: engine_generate(engine, prompts, 1, ignore)

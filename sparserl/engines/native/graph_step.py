@@ -12,8 +12,9 @@ The buffers (made outside inference mode, so that any grad mode may write them):
 - the slot table (max_num_seqs + 1 rows x W), W the largest reservation seen, rounded up (growing it recaptures).
   A sequence keeps its row for life; its entries reach the table through a pinned host mirror (written with numpy,
   copied per row, non-blocking) when it takes its row, after a compaction (`slots_version`) or after eager steps,
-  and the step itself appends the entry it writes (inside the graph). The last row is the padding rows' row:
-  length 0, its entries all the sink slot, the pool's extra slot the `SlotPool` never hands out;
+  and the step itself appends the entry it writes (inside the graph). Entries no sequence wrote hold slot 0 (the
+  runner zeroes it, as for the eager path's padded gathers). The last row is the padding rows' row: length 0; they
+  write their K/V into the sink, the pool's extra slot that the `SlotPool` never hands out and nothing reads;
 - the rows' sampling settings (seed, top-k; temperature, top-p), written when a sequence takes its row;
 - pinned host buffers for the sampled tokens and their log-probs.
 
@@ -62,6 +63,7 @@ class StaticDecode:
         self.runner = runner
         self.device = runner.device
         self.capture = capture  # CUDA graphs; False runs the same step eagerly
+        self.trim = not capture  # eager runs attend only as wide as the step's longest row, not the whole table
         self.sizes = bucket_sizes(max_num_seqs)
         self.max_rows = max_num_seqs
         self.attention = StaticDecodeAttention(self.device)
@@ -121,8 +123,8 @@ class StaticDecode:
         width = -(-need // WIDTH_STEP) * WIDTH_STEP
         pin = self.device.type == "cuda"
         with torch.inference_mode(False):
-            table = torch.full((self.max_rows + 1, width), self.sink, dtype=torch.int32, device=self.device)
-            host = torch.full((self.max_rows + 1, width), self.sink, dtype=torch.int32, pin_memory=pin)
+            table = torch.zeros((self.max_rows + 1, width), dtype=torch.int32, device=self.device)
+            host = torch.zeros((self.max_rows + 1, width), dtype=torch.int32, pin_memory=pin)
         if self.table is not None:
             table[:, : self.width].copy_(self.table)
             host[:, : self.width].copy_(self.host_table)
@@ -207,7 +209,7 @@ class StaticDecode:
             if prepacker is not None:
                 prepacker.prepare(size)
             try:
-                return self._forward(size, longest, ring)  # eagerly, only as wide as this step's longest row
+                return self._forward(size, longest if self.trim else self.width, ring)
             finally:
                 if prepacker is not None:
                     prepacker.disarm()
@@ -239,7 +241,8 @@ class StaticDecode:
         returns float32 logits (size, V)."""
         v = self.dev_in[: FIELDS * size].view(FIELDS, size)
         write, lengths, rows = v[WRITE], v[LEN], v[ROW]
-        self.table.index_put_((rows, (lengths - 1).clamp(min=0)), write.to(torch.int32))
+        # A padding row (length 0) appends its sink slot to the last column of the padding row, which nothing reads.
+        self.table.index_put_((rows, (lengths - 1).remainder(self.width)), write.to(torch.int32))
         table = self.table[:, :width].index_select(0, rows)  # (size, width)
         r = self.runner
         self.attention.prepare(table, lengths, r.dtype)

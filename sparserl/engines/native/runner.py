@@ -158,7 +158,7 @@ class ModelRunner:
 
     def allocate(self) -> None:
         if self.k_cache is None:
-            # The static decode step's padding rows write their K/V into one more slot, never handed out (the sink).
+            # The static decode step's padding rows write their K/V into one more slot, never handed out nor read.
             sink = self.graphs is not None
             shape = (self.num_slots + sink, self.num_kv_heads, self.head_dim)
             # On CPU the pool is not zero-filled: the pages of slots never handed out are never touched, so resident
@@ -171,8 +171,6 @@ class ModelRunner:
             self.v_cache = [alloc(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
             for t in self.k_cache + self.v_cache:
                 t[0].zero_()
-                if sink:
-                    t[-1].zero_()
 
     def release(self) -> None:
         self.k_cache = self.v_cache = None

@@ -8,8 +8,8 @@ gathered) and the (B,) lengths, both device tensors; every layer then attends wi
   (no padded copy; a length-0 padding row gives zeros);
 - elsewhere, the table's slots are gathered and attended with SDPA under an additive bias built on the device
   from the lengths, the query heads of one KV head as SDPA's query rows (GQA without expanding K/V), as the
-  runner's eager `_decode_attention` does. Padding rows (length 0) attend over their first entry, the pool's
-  sink slot, so that their rows stay finite.
+  runner's eager `_decode_attention` does. Padding rows (length 0) attend over their table's first entry
+  (slot 0, zeroed by the runner), so that they stay finite.
 
 Nothing here reads a device value on the host, so both paths can be captured in a CUDA graph.
 Left out on purpose: more than one query per row (prefill goes through the eager path), per-head lengths.
