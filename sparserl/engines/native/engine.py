@@ -7,6 +7,7 @@ slots for the next waiting ones. Left out on purpose: an async/streaming API (th
 prefix caching across prompts (the `n` samples of one prompt do share its prefill), speculative decoding.
 With `quantization` the linear layers hold int8 / fp8 weights, re-quantized at every weight update
 (`quantize.py`); `rescore_seqs` re-scores a few sequences densely to split the mismatch (`rescore.py`).
+With `cuda_graphs` (auto: on for CUDA) decode-only steps run over static buffers, as CUDA graphs on CUDA (`graph_step.py`).
 `with engine.dense():` generates without KV compression in an engine built with a policy (the trainer's
 rescue of rejected samples, `algo.correction.rescue=dense`): reservations are then the dense worst case.
 
