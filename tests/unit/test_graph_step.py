@@ -87,6 +87,14 @@ def test_static_steps_match_eager_rollouts(family, policy, monkeypatch):
     assert static.runner.graphs.rows == {}  # every finished sequence gave its row back
 
 
+def test_static_steps_through_the_paged_decode_entry_point():
+    # CUDA takes `paged_decode_attention` (int32 table, (B,) lengths, zero rows for padding); on CPU without the
+    # interpreter it runs its torch reference, the same contract.
+    eager, static = make("off", kv=kv_config("rkv")), make("on", kv=kv_config("rkv"))
+    static.runner.graphs.attention.use_kernel = True
+    assert_same(rollout(eager), rollout(static))
+
+
 def test_truncated_and_greedy_rows_share_a_static_batch():
     def mixed(engine):
         params = [SamplingParams(temperature=0.7, top_p=0.8, max_new_tokens=30, seed=2),

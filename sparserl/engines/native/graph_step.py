@@ -66,7 +66,7 @@ class StaticDecode:
         self.trim = not capture  # eager runs attend only as wide as the step's longest row, not the whole table
         self.sizes = bucket_sizes(max_num_seqs)
         self.max_rows = max_num_seqs
-        self.attention = StaticDecodeAttention(self.device)
+        self.attention = StaticDecodeAttention(self.device, runner.head_dim)
         self.captures = 0  # graphs captured over the engine's life
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None  # the graphs' shared memory pool

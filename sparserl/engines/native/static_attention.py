@@ -4,8 +4,8 @@
 step, before the layers run, `prepare` takes the step's (B, W) slot table (the rows of this batch, already
 gathered) and the (B,) lengths, both device tensors; every layer then attends with them:
 
-- on CUDA with triton, `sparserl.kernels.paged_decode.paged_decode_attention` reads the pool through the table
-  (no padded copy; a length-0 padding row gives zeros);
+- on CUDA with triton (and a head size it takes), `sparserl.kernels.paged_decode.paged_decode_attention` reads the
+  pool through the table (no padded copy; a length-0 padding row gives zeros);
 - elsewhere, the table's slots are gathered and attended with SDPA under an additive bias built on the device
   from the lengths, the query heads of one KV head as SDPA's query rows (GQA without expanding K/V), as the
   runner's eager `_decode_attention` does. Padding rows (length 0) attend over their table's first entry
@@ -20,17 +20,19 @@ import torch
 import torch.nn.functional as F
 
 
-def _kernel_usable(device: torch.device) -> bool:
+def _kernel_usable(device: torch.device, head_dim: int) -> bool:
+    """CUDA, triton, and a head size the kernel takes (a power of two in [16, 256])."""
     try:
         from sparserl.kernels import paged_decode
     except ImportError:  # pragma: no cover - the module ships with the package; triton inside it is optional
         return False
-    return device.type == "cuda" and paged_decode.kernel_available(device)
+    pow2 = head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256
+    return device.type == "cuda" and pow2 and paged_decode.kernel_available(device)
 
 
 class StaticDecodeAttention:
-    def __init__(self, device: torch.device, use_kernel: bool | None = None) -> None:
-        self.use_kernel = _kernel_usable(device) if use_kernel is None else use_kernel
+    def __init__(self, device: torch.device, head_dim: int, use_kernel: bool | None = None) -> None:
+        self.use_kernel = _kernel_usable(device, head_dim) if use_kernel is None else use_kernel
         self.table: torch.Tensor | None = None  # (B, W) slots of this step's rows
         self.lengths: torch.Tensor | None = None  # (B,) entries per row
         self.bias: torch.Tensor | None = None  # (B, 1, 1, W) 0 / -inf, the SDPA path only
