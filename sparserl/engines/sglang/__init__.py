@@ -6,7 +6,8 @@
   The seeded draw itself is `sparserl/engines/draw.py`, shared with the native engine.
 - `kv_backend.py`: the `sparserl_kv` attention backend and scheduler hooks SGLang loads (entry point) for KV
   compression that frees evicted slots; `kv_compactor.py` (triggers, and `sparserl/kv/compaction.py` mapped
-  onto SGLang's pool) and `kv_records.py` (what the engine reads back) are pure torch / Python.
+  onto SGLang's pool), `kv_decode.py` (the decode step's static buffers, read by CUDA graphs) and `kv_records.py`
+  (what the engine reads back) are pure torch / Python.
 
 This package's `__init__` does not import sglang: `check_available` runs in the input validation of training and
 evaluation (sparserl/engine_options/checks.py), before anything is written, also where sglang is absent.
