@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import bench_device, machine, print_table, sync  # noqa: E402
 from sparserl.kv import KVPolicyConfig  # noqa: E402
+from sparserl.kv import compaction  # noqa: E402
 from sparserl.kv.compaction import CompactionState, DueRequest, QueryRing, compact_batch, compact_entries  # noqa: E402
 
 
@@ -119,12 +120,16 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--chunk-elements", type=int, default=0,
+                   help="bound on a scoring chunk's requests * H_kv * n * n (0: the library's, which is small on CPU)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs of each way (the best is shown)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="a first untimed run of two requests each way")
     args = p.parse_args()
     device = bench_device(args.device)
+    if args.chunk_elements:
+        compaction.CHUNK_SCORE_ELEMENTS = compaction.CPU_CHUNK_SCORE_ELEMENTS = args.chunk_elements
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = KVPolicyConfig(algorithm=args.algorithm, budget=args.keep, window=args.window, share=args.share)
@@ -138,11 +143,12 @@ def main() -> None:
     ops = [count_ops(one_at_a_time, cfg, ring, due[:1], k, v) * args.batch, count_ops(batched, cfg, ring, due, k, v)]
     rows = [[name, t * 1e3, t * 1e3 / args.batch, n] for name, t, n in zip(("one at a time", "batched"), best, ops)]
     rows.append(["ratio", best[0] / best[1], "", ops[0] / ops[1]])
+    bound = compaction.CPU_CHUNK_SCORE_ELEMENTS if device.type == "cpu" else compaction.CHUNK_SCORE_ELEMENTS
     print(machine())
     print_table(["compaction", "ms per step", "ms per request", "aten ops"], rows,
                 title=f"{args.batch} requests of {args.entries} entries ({args.shapes} lengths) to {args.keep}, "
                       f"{args.algorithm}, share={args.share}, {args.layers} layers, {args.kv_heads} KV heads, "
-                      f"{args.dtype}, {device.type}; same keep-sets and pools both ways")
+                      f"{args.dtype}, {device.type}, chunk bound {bound}; same keep-sets and pools both ways")
 
 
 if __name__ == "__main__":

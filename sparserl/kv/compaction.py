@@ -171,8 +171,10 @@ def select_entries(cfg: KVPolicyConfig, state: CompactionState, ring: QueryRing,
 
 
 # Scoring works on a whole chunk of same-shape requests at once; R-KV's redundancy holds (rows * H_kv, n, n) floats,
-# so a chunk is cut to about this many of them (one request per chunk at the least).
+# so a chunk is cut to about this many of them (one request per chunk at the least). On a CPU, where a pass costs
+# its arithmetic and memory traffic rather than its launches, chunks stay small enough for the caches.
 CHUNK_SCORE_ELEMENTS = 1 << 27
+CPU_CHUNK_SCORE_ELEMENTS = 1 << 21
 
 
 @dataclass
@@ -188,7 +190,7 @@ class DueRequest:
 
 
 def batch_chunks(due: list[DueRequest], window: int, num_kv_heads: int) -> list[list[int]]:
-    """Indices into `due`, grouped by (n held, window queries, keep) and cut to `CHUNK_SCORE_ELEMENTS`: the requests
+    """Indices into `due`, grouped by (n held, window queries, keep) and cut to the chunk bound: the requests
     one `select_batch` call scores together. Same shapes only: padding a row would change its reductions' order
     (softmax sums, means) and the top-k's tie order, and so the keep-set."""
     groups: dict[tuple[int, int, int], list[int]] = {}
@@ -196,8 +198,9 @@ def batch_chunks(due: list[DueRequest], window: int, num_kv_heads: int) -> list[
         n = d.slots.shape[0]
         groups.setdefault((n, min(window, d.state.queries_seen, n), d.keep), []).append(i)
     chunks = []
+    bound = CPU_CHUNK_SCORE_ELEMENTS if due and due[0].slots.device.type == "cpu" else CHUNK_SCORE_ELEMENTS
     for (n, _, _), members in groups.items():
-        size = max(1, CHUNK_SCORE_ELEMENTS // (num_kv_heads * n * n))
+        size = max(1, bound // (num_kv_heads * n * n))
         chunks += [members[i:i + size] for i in range(0, len(members), size)]
     return chunks
 

@@ -126,7 +126,7 @@ def compare(cfg, lengths, keeps, seed=0, rounds=2, **shape):
     return batched
 
 
-RAGGED = [20, 20, 27, 20, 13, 27, 20]  # three shapes, so three chunks
+RAGGED = [20, 20, 27, 20, 13, 27, 20]  # with KEEPS, four (length, keep) shapes: four chunks
 KEEPS = [12, 12, 12, 12, 9, 14, 12]
 
 
@@ -161,7 +161,7 @@ def test_gqa_groups_and_ties():
 
 def test_long_rows_across_chunks(monkeypatch):
     # Longer rows than the window, and a chunk bound small enough to split one shape over several chunks.
-    monkeypatch.setattr(compaction, "CHUNK_SCORE_ELEMENTS", 2 * 2 * 64 * 64)
+    monkeypatch.setattr(compaction, "CPU_CHUNK_SCORE_ELEMENTS", 2 * 2 * 64 * 64)
     cfg = KVPolicyConfig(algorithm="rkv", budget=40, window=8, divide_length=16, kernel=7, share="head")
     compare(cfg, [64] * 5 + [50], [40] * 6, seed=3, rounds=1, window=8)
 
@@ -170,7 +170,7 @@ def test_padding_free_chunks():
     assert compaction.batch_chunks([], 4, 2) == []
     world = World(RAGGED)
     chunks = compaction.batch_chunks(world.due(KEEPS), 4, 2)
-    assert sorted(sum(chunks, [])) == list(range(len(RAGGED)))
+    assert sorted(sum(chunks, [])) == list(range(len(RAGGED))) and len(chunks) == 4
     for chunk in chunks:
         assert len({(RAGGED[i], KEEPS[i]) for i in chunk}) == 1
 
