@@ -115,13 +115,14 @@ def test_same_tokens_and_kept_positions_as_the_native_engine(rkv_host, tokenizer
 
     native = NativeEngine(build_tiny("llama", tokenizer), tokenizer, num_slots=4096, kv=RKV)
     kept_native: dict = {}
-    compress = native.compression.compress
+    compress_all = native.compression.compress_all  # every compaction of a step, batched
 
-    def recording(seq, st, scheduler):
-        compress(seq, st, scheduler)
-        kept_native.setdefault(seq.request_index, []).append(st.kept_positions.tolist())
+    def recording(due, scheduler):
+        compress_all(due, scheduler)
+        for seq, st in due:
+            kept_native.setdefault(seq.request_index, []).append(st.kept_positions.tolist())
 
-    native.compression.compress = recording
+    native.compression.compress_all = recording
     ref = native.generate(requests(GREEDY, prompts))
     for i, (g, n) in enumerate(zip(gens, ref)):
         assert len(g.token_ids) == NEW and g.token_ids == n.token_ids
