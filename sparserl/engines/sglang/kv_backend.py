@@ -201,6 +201,7 @@ class KVRuntime:
             self._after_step(scheduler, batch)
 
     def _after_step(self, scheduler, batch) -> None:
+        due = []  # (batch index, request, row, entries held)
         for i, req in enumerate(batch.reqs):
             if req.finished() or req.is_retracted or not req.kv.holds_kv or not req.output_ids:
                 continue
@@ -209,32 +210,38 @@ class KVRuntime:
             st = self.compactor.state.get(row)
             if st is not None and st.outputs_seen >= len(req.output_ids):
                 continue  # no new token for this request (a chunk of its prefill)
-            due = self.compactor.on_token(row, req.rid, len(req.origin_input_ids), len(req.output_ids), held,
-                                          self._is_newline(scheduler, req.output_ids[-1]))
-            if due:
-                self._compact(batch, i, req, row, held)
+            if self.compactor.on_token(row, req.rid, len(req.origin_input_ids), len(req.output_ids), held,
+                                       self._is_newline(scheduler, req.output_ids[-1])):
+                due.append((i, req, row, held))
+        if due:
+            self._compact(batch, due)
 
-    def _compact(self, batch, i: int, req, row: int, n: int) -> None:
+    def _compact(self, batch, due: list) -> None:
+        """Compact every request due at this step in one batched pass (`KVCompactor.compact_many`), then free each
+        one's slots and shorten its row and the batch's lengths."""
         t0 = time.perf_counter()
-        assert req.kv.kv_allocated_len == n and req.kv.cache_protected_len == 0, (
-            f"request {req.rid}: kv_committed_len={n}, kv_allocated_len={req.kv.kv_allocated_len}, "
-            f"cache_protected_len={req.kv.cache_protected_len}: compaction needs a private, fully committed row")
-        slots = self.req_to_token[row, :n].long()
+        work = []
+        for _, req, row, n in due:
+            assert req.kv.kv_allocated_len == n and req.kv.cache_protected_len == 0, (
+                f"request {req.rid}: kv_committed_len={n}, kv_allocated_len={req.kv.kv_allocated_len}, "
+                f"cache_protected_len={req.kv.cache_protected_len}: compaction needs a private, fully committed row")
+            work.append((row, self.req_to_token[row, :n].long(), len(req.output_ids)))
         keys = [self.kv_pool.get_key_buffer(layer) for layer in self.layer_ids]
         values = [self.kv_pool.get_value_buffer(layer) for layer in self.layer_ids]
-        done = self.compactor.compact(row, slots, keys, values, len(req.output_ids), self.trace)
-        keep = done.keep
-        self.allocator.free(done.freed)
-        self.req_to_token[row, keep:n] = 0
-        req.kv.kv_committed_len = req.kv.kv_allocated_len = keep
-        freed = n - keep
-        batch.seq_lens[i] -= freed
-        batch.seq_lens_cpu[i] -= freed
-        if getattr(batch, "orig_seq_lens", None) is not None:
-            batch.orig_seq_lens[i] -= freed
-        if batch.seq_lens_sum is not None:
-            batch.seq_lens_sum -= freed
-        self.compressions += 1
+        done = self.compactor.compact_many(work, keys, values, self.trace)
+        for (i, req, row, n), result in zip(due, done):
+            keep = result.keep
+            self.allocator.free(result.freed)
+            self.req_to_token[row, keep:n] = 0
+            req.kv.kv_committed_len = req.kv.kv_allocated_len = keep
+            freed = n - keep
+            batch.seq_lens[i] -= freed
+            batch.seq_lens_cpu[i] -= freed
+            if getattr(batch, "orig_seq_lens", None) is not None:
+                batch.orig_seq_lens[i] -= freed
+            if batch.seq_lens_sum is not None:
+                batch.seq_lens_sum -= freed
+        self.compressions += len(due)
         self.compress_s += time.perf_counter() - t0
 
     def _is_newline(self, scheduler, token: int) -> bool:
