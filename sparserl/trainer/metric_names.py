@@ -231,6 +231,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("rollout/kv_mismatch_kl", "KV compression's share of `mismatch/kl`: mean of logp_sparse - the engine's own "
            "dense log-prob over the re-scored tokens", "`rollout.rescore_seqs > 0`"),
     Metric("rollout/rescored_tokens", "Tokens re-scored densely for `rollout/kv_mismatch_kl`", "`rollout.rescore_seqs > 0`"),
+    Metric("rollout/graph_captures", "Decode steps captured as CUDA graphs since the engine's stats were reset (a batch-size "
+           "bucket's first use, and again after sleep, a weight release or a wider slot table)",
+           "`rollout.engine=native`"),
     # perf/
     Metric("perf/step_s", "Seconds of the whole step on rank 0", SFT),
     Metric("perf/<phase>_s", "Seconds rank 0 spent in the phase (phases below)", "the steps that run the phase"),
