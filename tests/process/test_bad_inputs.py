@@ -101,6 +101,7 @@ CASES = [
     ("rollout.quantization_cpu", ["rollout.quantization=w8a8", "parallel.device=cpu"],
      "rollout.quantization=w8a8 is not supported with parallel.device=cpu"),
     ("rollout.decode_cache", ["rollout.decode_cache=yes"], "rollout.decode_cache=yes: must be one of auto, on, off"),
+    ("rollout.cuda_graphs", ["rollout.cuda_graphs=maybe"], "rollout.cuda_graphs=maybe: must be one of auto, on, off"),
     ("rollout.prepack", ["rollout.prepack=yes"], "rollout.prepack=yes: must be one of auto, on, off, onednn, mkl"),
     ("rollout.prepack_bf16", ["rollout.prepack=on", "rollout.dtype=bfloat16"],
      "rollout.prepack=on with rollout.engine=native, parallel.device=auto, rollout.dtype=bfloat16, rollout.quantization=none: it packs float32 weights"),
