@@ -73,10 +73,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_seconds(run, device: torch.device, repeats: int) -> float:
-    """The best of `repeats` timed calls of `run()` (GEMMs back to back), after one warm-up call."""
+def _best_seconds(run, device: torch.device, repeats: int, inference: bool = True) -> float:
+    """The best of `repeats` timed calls of `run()` (GEMMs back to back), after one warm-up call; `inference=False`
+    for a `run` that needs autograd (a backward)."""
     best = float("inf")
-    with torch.inference_mode():
+    with torch.inference_mode(inference):
         for _ in range(repeats + 1):  # the first run warms the BLAS up
             sync(device)
             t0 = time.perf_counter()

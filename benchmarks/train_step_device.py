@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import machine, print_table, sync
+from benchmarks.common import _best_seconds, machine, print_table, sync
 from benchmarks.gpu_decode import build_model
 from sparserl.actor.context_parallel import zigzag_plan
 from sparserl.actor.logprobs import PackedSeqs, _layout, chunk_mb_for, chunk_rows, packed_logprobs
@@ -154,17 +154,6 @@ def long_row(model, seqs: PackedSeqs, device: torch.device) -> list:
     return [tokens, f"{seconds:.3f}", f"{tokens / seconds:.0f}", _peak_gb(device)]
 
 
-def _timed(run, device: torch.device, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first call warms up
-        sync(device)
-        t0 = time.perf_counter()
-        run()
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def attention_rows(model, seqs: PackedSeqs, device: torch.device, dtype: torch.dtype, repeats: int) -> list[list]:
     """Forward+backward of attention alone on the micro-batch's packed row (shared prompts): the ring block kernel
     against fused SDPA calls."""
@@ -200,7 +189,7 @@ def attention_rows(model, seqs: PackedSeqs, device: torch.device, dtype: torch.d
                       ("SDPA, the same mask, one call", lambda: sdpa(True)),
                       ("SDPA causal over the whole row, no mask", lambda: sdpa(False))):
         _reset_peak(device)
-        seconds = _timed(run, device, repeats)
+        seconds = _best_seconds(run, device, repeats, inference=False)
         rows.append([name, t, f"{seconds * 1e3:.2f}", _peak_gb(device)])
     diff = (outs["ring"].float() - outs["masked"].float()).abs().max().item()
     rows[0].append(f"{diff:.2e}")
