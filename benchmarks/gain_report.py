@@ -67,6 +67,20 @@ def final_batch_kv(rec: dict) -> float | None:
     return None if kv is None else kv * (1.0 - rescued) + rescued
 
 
+def xi_tail(rec: dict, q: str) -> float | None:
+    """Mean over steps of the q-th percentile of xi (q = "p05" | "p01") over every sampled token before any filter
+    (`sampler/xi_*`; records made before it existed carry the trained batch's `mismatch/xi_*`)."""
+    v = run_mean(rec, f"sampler/xi_{q}")
+    return run_mean(rec, f"mismatch/xi_{q}") if v is None else v
+
+
+def time_ratio(group: list[dict], dense: list[dict], key: str) -> str:
+    """Mean seconds per step (`perf/rollout_s` or `perf/step_s`) of a configuration's runs over dense's."""
+    ours = mean_se([run_mean(r, key) for r in group if run_mean(r, key) is not None])
+    base = mean_se([run_mean(r, key) for r in dense if run_mean(r, key) is not None])
+    return "-" if ours is None or base is None or base[0] <= 0 else f"{ours[0] / base[0]:.2f}"
+
+
 def pm(stat, digits=3, sign=False) -> str:
     if stat is None:
         return "-"
@@ -102,17 +116,22 @@ def report(args, out: Path, records: Path, extra_configs: tuple[str, ...] = ()) 
                          share(g, dense_gain) if c != "dense" else "100%", pm(per("kv/retained_frac")),
                          pm(mean_se([final_batch_kv(r) for r in group])),
                          pm(per("correction/rejected_seq_frac")), pm(per("rescue/frac")),
+                         pm(mean_se([xi_tail(r, "p05") for r in group if xi_tail(r, "p05") is not None]), 2),
+                         pm(mean_se([xi_tail(r, "p01") for r in group if xi_tail(r, "p01") is not None]), 2),
+                         time_ratio(group, dense, "perf/rollout_s"), time_ratio(group, dense, "perf/step_s"),
                          pm(mean_se([r["wall_s"] / 60 for r in group]), 1)])
             for r, gain in zip(group, gains):
                 metrics[(c, r["seed"])] = r["metrics"]
                 every.append([c, r["seed"], fmt(gain, sign=True), fmt(run_mean(r, "reward/mean")),
                               fmt(run_mean(r, "kv/retained_frac")), fmt(run_mean(r, "kv/budget"), 0),
                               fmt(run_mean(r, "correction/rejected_seq_frac")), fmt(run_mean(r, "rescue/frac")),
-                              fmt(run_mean(r, "mismatch/xi_p05")), fmt(r["wall_s"] / 60, 1)])
-        title = f"{setting}: R-KV budget {budget}, divide_length {args.divide_length}, compress_prompt"
+                              fmt(xi_tail(r, "p05")), fmt(r["wall_s"] / 60, 1)])
+        title = (f"{setting}: R-KV budget {budget}, divide_length {args.divide_length}, compress_prompt "
+                 f"{'on' if args.compress_prompt else 'off'}")
         text.append(print_table(
             ["config", "seeds", "held-out gain ± SE (seeds)", "SE (prompts)", "share of dense gain",
-             "KV kept per seq (sampler)", "KV of the trained seqs", "rejected seqs", "rescued seqs", "min per run"],
+             "KV kept per seq (sampler)", "KV of the trained seqs", "rejected seqs", "rescued seqs", "xi p05",
+             "xi p01", "rollout s / dense", "step s / dense", "min per run"],
             rows, title=title))
         text.append(print_table(["config", "seed", "held-out gain", "train reward", "KV kept", "budget", "rejected",
                                  "rescued", "xi p05", "min"], every, title=f"{setting}: every run"))
@@ -120,7 +139,7 @@ def report(args, out: Path, records: Path, extra_configs: tuple[str, ...] = ()) 
             curve = curves(metrics, [c for c in shown if any(k[0] == c for k in metrics)], DIAGNOSTICS)
             (out / f"{setting}_curves.json").write_text(json.dumps(curve, indent=1))
             plot_bands(curve, ["reward/mean"], out / f"{setting}_reward.png",
-                       f"long_chain ({args.links} links), {title}: training reward, mean ± std over seeds")
+                       f"{Path(args.env).stem} ({args.links} links), {title}: training reward, mean ± std over seeds")
             plot_bands(curve, list(DIAGNOSTICS), out / f"{setting}_diagnostics.png",
                        f"{setting} (budget {budget}) diagnostics, mean ± std over seeds", cols=4)
     return "\n\n".join(text)

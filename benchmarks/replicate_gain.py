@@ -31,6 +31,12 @@ prompts, batch and lr:
 
 dense and naive_sparse also log what Sparse-RL's filters would reject (`algo.correction.mode=measure`).
 
+The regime task (`--task cycle_walk`; runs under outputs/sparse_regime, records in docs/replications/sparse_regime):
+envs/cycle_walk.py, a 78-token prompt (6 word links of one loop, kept whole: compress_prompt off) and a 327-token
+response walking the loop for 48 numbered steps, reward = the share of the walk followed before the first mistake.
+One KV setting, `b80` = budget 80 (the response is > 4x the budget; a sequence ends holding at most 96 of its
+~405 entries), a 6-step warm-start, 340 new tokens, fp32 compute (bf16 is emulated on CPUs without it).
+
 Each run is evaluated on the same held-out prompts, dense, temperature 1, one shared sampling seed
 (`python -m sparserl.eval`); the score is the mean reward. The summary reports, per setting and configuration,
 the held-out gain over the warm-start (mean ± standard error over seeds, and the standard error of per-prompt
@@ -68,15 +74,27 @@ from benchmarks.replicate_sparse_rl import (add_jobs_arg, add_kv_scoring_args, e
 
 CONFIGS = ("dense", "naive_sparse", "sparse_rl", "tail", "rescue")
 EXTRA_CONFIGS = ("tail_p01", "rescue_group")  # run only when named in --configs
-SETTINGS = ("loose=128", "tight=96")
 TAIL_CEILING = 1.5  # the tail controller's ceiling, times the setting's budget (its floor)
+# Per task: the env, whether the prompt may be compressed, the KV settings (and --quick's), the sizes the run
+# options default to, and where the runs and records go. Options given on the command line win.
+TASKS = {
+    "long_chain": dict(env="envs/long_chain.py", compress_prompt=True, settings=("loose=128", "tight=96"),
+                       quick_settings=("loose=40", "tight=24"), links=12, max_new_tokens=120, steps=8,
+                       prompts_per_step=4, n=8, lr=3e-5, sft_steps=4, eval_prompts=128, precision="bfloat16",
+                       out="outputs/sparse_gain", record="docs/replications/sparse_gain"),
+    "cycle_walk": dict(env="envs/cycle_walk.py", compress_prompt=False, settings=("b80=80",),
+                       quick_settings=("loose=40",), links=6, max_new_tokens=340, steps=6,
+                       prompts_per_step=4, n=8, lr=5e-5, sft_steps=6, eval_prompts=128, precision="float32",
+                       out="outputs/sparse_regime", record="docs/replications/sparse_regime"),
+}
+SETTINGS = TASKS["long_chain"]["settings"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="working folder: data, warm-start, runs, evaluations, plots, summary "
-                    "(default outputs/sparse_gain, or outputs/sparse_gain_quick with --quick)")
-    ap.add_argument("--record", default=None, help="folder of the per-run records (default docs/replications/sparse_gain; "
+    ap.add_argument("--out", default=None, help="working folder: data, warm-start, runs, evaluations, plots, summary (default per --task: "
+                    "outputs/sparse_gain or outputs/sparse_regime, with _quick added under --quick)")
+    ap.add_argument("--record", default=None, help="folder of the per-run records (default per --task: docs/replications/sparse_gain or sparse_regime; "
                     "with --quick OUT/records)")
     ap.add_argument("--settings", nargs="+", default=None, metavar="NAME[=BUDGET]",
                     help=f"KV settings to run, NAME=BUDGET, or a name of the defaults {' '.join(SETTINGS)}")
@@ -87,22 +105,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="smoke sizes: 3-link chains, 2 steps, tiny batches, one seed")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="model.path of the warm-start")
     ap.add_argument("--data-seed", type=int, default=0, help="seed of the data files and of the warm-start")
-    ap.add_argument("--links", type=int, default=12)
-    ap.add_argument("--steps", type=int, default=8, help="GRPO steps per run")
-    ap.add_argument("--prompts-per-step", type=int, default=4)
-    ap.add_argument("--n", type=int, default=8, help="rollout.n")
-    ap.add_argument("--max-new-tokens", type=int, default=120)
-    ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--task", choices=tuple(TASKS), default="long_chain",
+                    help="long_chain: the compressed-prompt setting above; cycle_walk: a short prompt kept whole and a "
+                         "response several times the budget (see 'The regime task')")
+    ap.add_argument("--links", type=int, default=None, help="links per task (default per --task)")
+    ap.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default per --task)")
+    ap.add_argument("--prompts-per-step", type=int, default=None)
+    ap.add_argument("--n", type=int, default=None, help="rollout.n")
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--divide-length", type=int, default=16)
-    ap.add_argument("--precision", default="bfloat16", help="model.compute_dtype and rollout.dtype of the GRPO runs, "
+    ap.add_argument("--precision", default=None, help="model.compute_dtype and rollout.dtype of the GRPO runs (default per --task), "
                     "pinned so that records made on different CPUs agree (auto would pick by CPU)")
     add_kv_scoring_args(ap)
     ap.set_defaults(kv_variant="reference", kv_share="layer")  # what the presets select
-    ap.add_argument("--sft-steps", type=int, default=4)
+    ap.add_argument("--sft-steps", type=int, default=None)
     ap.add_argument("--sft-batch", type=int, default=8)
     ap.add_argument("--sft-lr", type=float, default=1e-4)
     ap.add_argument("--nproc", type=int, default=1)
-    ap.add_argument("--eval-prompts", type=int, default=128)
+    ap.add_argument("--eval-prompts", type=int, default=None)
     ap.add_argument("--eval-n", type=int, default=1)
     ap.add_argument("--max-minutes", type=float, default=None, help="start no new run after this many minutes")
     ap.add_argument("--keep-policies", action="store_true", help="keep each run's final policy and checkpoints")
@@ -111,21 +132,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for the GRPO runs")
     add_jobs_arg(ap)
     args = ap.parse_args(argv)
-    args.env, args.compress_prompt, args.keep_checkpoints = "envs/long_chain.py", True, args.keep_policies
+    task = TASKS[args.task]
+    for key in ("links", "steps", "prompts_per_step", "n", "max_new_tokens", "lr", "sft_steps", "eval_prompts", "precision"):
+        if getattr(args, key) is None:
+            setattr(args, key, task[key])
+    args.env, args.compress_prompt, args.keep_checkpoints = task["env"], task["compress_prompt"], args.keep_policies
     if args.quick:
         args.links, args.steps, args.prompts_per_step, args.n, args.max_new_tokens = 3, 2, 2, 2, 24
         args.sft_steps, args.sft_batch, args.divide_length = 1, 2, 8
         args.eval_prompts = min(args.eval_prompts, 2)
         args.seeds = args.seeds or [0]
-    defaults = ["loose=40", "tight=24"] if args.quick else list(SETTINGS)
+    defaults = list(task["quick_settings"] if args.quick else task["settings"])
     args.seeds = args.seeds or [0, 1, 2]
     args.settings = parse_settings(ap, args.settings or defaults, defaults)
     # Dense ignores the KV keys; its command carries the first default setting's, whichever settings run, so that
     # its record serves every setting.
     args.dense_budget = next(iter(parse_settings(ap, defaults[:1], defaults).values()))
     args.seed = args.data_seed  # what the shared helpers read for the warm-start and the evaluation seed
-    args.out = args.out or "outputs/sparse_gain" + ("_quick" if args.quick else "")
-    args.record = args.record or (str(Path(args.out) / "records") if args.quick else "docs/replications/sparse_gain")
+    args.out = args.out or task["out"] + ("_quick" if args.quick else "")
+    args.record = args.record or (str(Path(args.out) / "records") if args.quick else task["record"])
     if len(set(args.seeds)) != len(args.seeds):
         ap.error(f"--seeds must be distinct, got {args.seeds}")
     return args

@@ -54,7 +54,8 @@ def test_quick_mode_records_every_run_and_resumes_from_the_records(tiny_checkpoi
         assert len(json.loads((records / f"{name}.json").read_text())["eval"]["scores"]) == 2
     summary = (out / "summary.md").read_text()
     for header in ("held-out gain ± SE (seeds)", "share of dense gain", "KV kept per seq (sampler)",
-                   "KV of the trained seqs", "rejected seqs", "rescued seqs", "min per run"):
+                   "KV of the trained seqs", "rejected seqs", "rescued seqs", "xi p05", "xi p01", "rollout s / dense",
+                   "step s / dense", "min per run"):
         assert header in summary
     assert "| tail " in summary and "| rescue " in summary and "loose: every run" in summary
     assert (out / "loose_reward.png").stat().st_size > 0 and (out / "tight_diagnostics.png").stat().st_size > 0
@@ -101,6 +102,27 @@ def test_configurations_differ_only_where_they_should(capsys, tmp_path):
     replicate_gain.main(["--dry-run", "--out", str(tmp_path), "--settings", "tight"])
     only_tight = [line for line in capsys.readouterr().out.splitlines() if "dense_seed0" in line]
     assert only_tight and "rollout.kv.budget=128" in only_tight[0]
+
+
+def test_the_regime_task_keeps_the_prompt_whole_and_its_own_records(capsys, tmp_path):
+    from benchmarks import replicate_gain
+
+    args = replicate_gain.parse_args(["--task", "cycle_walk"])
+    assert args.record == "docs/replications/sparse_regime" and args.out == "outputs/sparse_regime"
+    assert args.settings == {"b80": 80} and args.precision == "float32" and not args.compress_prompt
+    assert replicate_gain.parse_args(["--task", "cycle_walk", "--steps", "3"]).steps == 3  # the command line wins
+    assert replicate_gain.parse_args([]).settings == {"loose": 128, "tight": 96}  # long_chain stays the default
+    replicate_gain.main(["--dry-run", "--task", "cycle_walk", "--out", str(tmp_path)])
+    lines = capsys.readouterr().out.splitlines()[1:]
+    grpo = [shlex.split(line) for line in lines if "sparserl.trainer.grpo" in line]
+    assert len(grpo) == 3 + 3 * 4
+    for cmd in grpo:
+        assert "env.path=envs/cycle_walk.py" in cmd and "rollout.kv.compress_prompt=false" in cmd
+        assert "rollout.max_new_tokens=340" in cmd and "model.compute_dtype=float32" in cmd
+    evals = [shlex.split(line) for line in lines if "sparserl.eval" in line]
+    assert [c for c in evals if "rollout.kv.budget=80" in c and "rollout.kv.algorithm=rkv" in c]
+    sft = next(shlex.split(line) for line in lines if "sparserl.trainer.sft" in line)
+    assert "env.path=envs/cycle_walk.py" in sft and "trainer.total_steps=6" in sft
 
 
 def test_statistics():
