@@ -35,7 +35,8 @@ The regime task (`--task cycle_walk`; runs under outputs/sparse_regime, records 
 envs/cycle_walk.py, a 78-token prompt (6 word links of one loop, kept whole: compress_prompt off) and a 327-token
 response walking the loop for 48 numbered steps, reward = the share of the walk followed before the first mistake.
 One KV setting, `b80` = budget 80 (the response is > 4x the budget; a sequence ends holding at most 96 of its
-~405 entries), a 6-step warm-start, 340 new tokens, fp32 compute (bf16 is emulated on CPUs without it).
+~405 entries), a 6-step warm-start, 6 GRPO steps at lr 5e-5, 340 new tokens, fp32 compute (bf16 is emulated on
+CPUs without it), and `rescue_group` in place of `rescue` among the five configurations.
 
 Each run is evaluated on the same held-out prompts, dense, temperature 1, one shared sampling seed
 (`python -m sparserl.eval`); the score is the mean reward. The summary reports, per setting and configuration,
@@ -79,12 +80,15 @@ TAIL_CEILING = 1.5  # the tail controller's ceiling, times the setting's budget 
 # options default to, and where the runs and records go. Options given on the command line win.
 TASKS = {
     "long_chain": dict(env="envs/long_chain.py", compress_prompt=True, settings=("loose=128", "tight=96"),
-                       quick_settings=("loose=40", "tight=24"), links=12, max_new_tokens=120, steps=8,
+                       quick_settings=("loose=40", "tight=24"), configs=list(CONFIGS), links=12, max_new_tokens=120, steps=8,
                        prompts_per_step=4, n=8, lr=3e-5, sft_steps=4, eval_prompts=128, precision="bfloat16",
                        out="outputs/sparse_gain", record="docs/replications/sparse_gain"),
     "cycle_walk": dict(env="envs/cycle_walk.py", compress_prompt=False, settings=("b80=80",),
-                       quick_settings=("loose=40",), links=6, max_new_tokens=340, steps=6,
+                       quick_settings=("loose=40",), configs=["dense", "naive_sparse", "sparse_rl", "tail", "rescue_group"],
+                       links=6, max_new_tokens=340, steps=6,
                        prompts_per_step=4, n=8, lr=5e-5, sft_steps=6, eval_prompts=128, precision="float32",
+                       # 13k-token updates of a 135M model fit in memory: recomputing activations would cost ~25%
+                       grpo_overrides=("model.activation_checkpointing=false",),
                        out="outputs/sparse_regime", record="docs/replications/sparse_regime"),
 }
 SETTINGS = TASKS["long_chain"]["settings"]
@@ -99,8 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--settings", nargs="+", default=None, metavar="NAME[=BUDGET]",
                     help=f"KV settings to run, NAME=BUDGET, or a name of the defaults {' '.join(SETTINGS)}")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="trainer.seed of each repetition (default 0 1 2)")
-    ap.add_argument("--configs", nargs="+", choices=CONFIGS + EXTRA_CONFIGS, default=list(CONFIGS),
-                    help="configurations to run (default: the five above; tail_p01 = tail on the 1st percentile of xi, "
+    ap.add_argument("--configs", nargs="+", choices=CONFIGS + EXTRA_CONFIGS, default=None,
+                    help="configurations to run (default: the five above, with rescue_group for rescue under --task "
+                         "cycle_walk; tail_p01 = tail on the 1st percentile of xi, "
                          "rescue_group = rescue re-rolling a group whole once half of it is rejected)")
     ap.add_argument("--quick", action="store_true", help="smoke sizes: 3-link chains, 2 steps, tiny batches, one seed")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="model.path of the warm-start")
@@ -133,10 +138,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_jobs_arg(ap)
     args = ap.parse_args(argv)
     task = TASKS[args.task]
-    for key in ("links", "steps", "prompts_per_step", "n", "max_new_tokens", "lr", "sft_steps", "eval_prompts", "precision"):
+    for key in ("configs", "links", "steps", "prompts_per_step", "n", "max_new_tokens", "lr", "sft_steps", "eval_prompts", "precision"):
         if getattr(args, key) is None:
             setattr(args, key, task[key])
     args.env, args.compress_prompt, args.keep_checkpoints = task["env"], task["compress_prompt"], args.keep_policies
+    args.override = [*task.get("grpo_overrides", ()), *args.override]
     if args.quick:
         args.links, args.steps, args.prompts_per_step, args.n, args.max_new_tokens = 3, 2, 2, 2, 24
         args.sft_steps, args.sft_batch, args.divide_length = 1, 2, 8

@@ -119,6 +119,8 @@ def test_the_regime_task_keeps_the_prompt_whole_and_its_own_records(capsys, tmp_
     for cmd in grpo:
         assert "env.path=envs/cycle_walk.py" in cmd and "rollout.kv.compress_prompt=false" in cmd
         assert "rollout.max_new_tokens=340" in cmd and "model.compute_dtype=float32" in cmd
+    names = [a.rpartition("/")[2] for c in grpo for a in c if a.startswith("trainer.output_dir=")]
+    assert "b80_rescue_group_seed2" in names and not [n for n in names if "_rescue_seed" in n]  # the group rescue
     evals = [shlex.split(line) for line in lines if "sparserl.eval" in line]
     assert [c for c in evals if "rollout.kv.budget=80" in c and "rollout.kv.algorithm=rkv" in c]
     sft = next(shlex.split(line) for line in lines if "sparserl.trainer.sft" in line)
