@@ -76,8 +76,7 @@ def xi_tail(rec: dict, q: str) -> float | None:
 
 def time_ratio(group: list[dict], dense: list[dict], key: str) -> str:
     """Mean seconds per step (`perf/rollout_s` or `perf/step_s`) of a configuration's runs over dense's."""
-    ours = mean_se([run_mean(r, key) for r in group if run_mean(r, key) is not None])
-    base = mean_se([run_mean(r, key) for r in dense if run_mean(r, key) is not None])
+    ours, base = mean_se([run_mean(r, key) for r in group]), mean_se([run_mean(r, key) for r in dense])
     return "-" if ours is None or base is None or base[0] <= 0 else f"{ours[0] / base[0]:.2f}"
 
 
@@ -116,8 +115,7 @@ def report(args, out: Path, records: Path, extra_configs: tuple[str, ...] = ()) 
                          share(g, dense_gain) if c != "dense" else "100%", pm(per("kv/retained_frac")),
                          pm(mean_se([final_batch_kv(r) for r in group])),
                          pm(per("correction/rejected_seq_frac")), pm(per("rescue/frac")),
-                         pm(mean_se([xi_tail(r, "p05") for r in group if xi_tail(r, "p05") is not None]), 2),
-                         pm(mean_se([xi_tail(r, "p01") for r in group if xi_tail(r, "p01") is not None]), 2),
+                         pm(mean_se([xi_tail(r, "p05") for r in group]), 2), pm(mean_se([xi_tail(r, "p01") for r in group]), 2),
                          time_ratio(group, dense, "perf/rollout_s"), time_ratio(group, dense, "perf/step_s"),
                          pm(mean_se([r["wall_s"] / 60 for r in group]), 1)])
             for r, gain in zip(group, gains):

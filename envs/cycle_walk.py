@@ -54,7 +54,8 @@ model still has to count them to stop).
 from __future__ import annotations
 
 import random
-import re
+
+from sparserl.rewards.links import extract_answer, score  # noqa: F401  (the env's extract_answer)
 
 max_turns = 1
 NUM_LINKS = 6
@@ -74,7 +75,6 @@ INTRO = "These links form a loop:"
 LINK = "{a} -> {b}"
 QUESTION = "Walk the loop from {start} for {n} steps, one numbered line per step."
 STEP = "{i}. {a} -> {b}"
-_LINE = re.compile(r"^\s*(?:\d+\s*[.):]\s*)?([A-Za-z]+)\s*->\s*([A-Za-z]+)\s*$")
 
 
 def _check_sizes(num_links: int, num_steps: int) -> None:
@@ -127,43 +127,6 @@ def make_sft_examples(num: int, seed: int, num_links: int = NUM_LINKS, num_steps
         rows.append({"prompt": [{"role": "user", "content": text}], "response": target_response(walk),
                      "answer": " ".join(walk)})
     return rows
-
-
-def parse_steps(response: str) -> list[tuple[str, str] | None]:
-    """One entry per non-empty line: (a, b) for "[N.] a -> b", None for a line that does not parse."""
-    out = []
-    for line in response.splitlines():
-        if line.strip():
-            m = _LINE.match(line)
-            out.append((m.group(1), m.group(2)) if m else None)
-    return out
-
-
-def correct_prefix(response: str, answer: str) -> int:
-    """How many steps of the walk `answer` the response takes, in order, before its first mistake."""
-    walk = answer.split()
-    k = 0
-    for got, want in zip(parse_steps(response), zip(walk, walk[1:])):
-        if got != want:
-            break
-        k += 1
-    return k
-
-
-def score(response: str, answer: str) -> float:
-    return correct_prefix(response, answer) / max(1, len(answer.split()) - 1)
-
-
-def extract_answer(response: str) -> str | None:
-    """The path the response walks, "fox cup owl ...", up to its first unparsable line (None if it walks none)."""
-    words: list[str] = []
-    for step in parse_steps(response):
-        if step is None:
-            break
-        if not words:
-            words.append(step[0])
-        words.append(step[1])
-    return " ".join(words) or None
 
 
 async def step(state: str, action: str, extra_info: dict) -> dict:

@@ -49,7 +49,8 @@ numbers (they are format, not information).
 from __future__ import annotations
 
 import random
-import re
+
+from sparserl.rewards.links import extract_answer, score  # noqa: F401  (the env's extract_answer)
 
 max_turns = 1
 NUM_LINKS = 30
@@ -69,7 +70,6 @@ LINK = "{a} -> {b}"
 QUESTION = ("Start at {start} and follow all {n} links. Write one line per link, numbered, "
             "in the form: 1. word -> next word")
 STEP = "{i}. {a} -> {b}"
-_LINE = re.compile(r"^\s*(?:\d+\s*[.):]\s*)?([A-Za-z]+)\s*->\s*([A-Za-z]+)\s*$")
 
 
 def _episode(rng: random.Random, num_links: int) -> tuple[str, list[str]]:
@@ -108,44 +108,6 @@ def make_sft_examples(num: int, seed: int, num_links: int = NUM_LINKS) -> list[d
         rows.append({"prompt": [{"role": "user", "content": text}], "response": target_response(chain),
                      "answer": " ".join(chain)})
     return rows
-
-
-def parse_steps(response: str) -> list[tuple[str, str] | None]:
-    """One entry per non-empty line: (a, b) for "[N.] a -> b", None for a line that does not parse."""
-    out = []
-    for line in response.splitlines():
-        if line.strip():
-            m = _LINE.match(line)
-            out.append((m.group(1), m.group(2)) if m else None)
-    return out
-
-
-def correct_prefix(response: str, answer: str) -> int:
-    """How many links of the chain `answer` the response follows, in order, before its first mistake."""
-    chain = answer.split()
-    links = list(zip(chain, chain[1:]))
-    k = 0
-    for got, want in zip(parse_steps(response), links):
-        if got != want:
-            break
-        k += 1
-    return k
-
-
-def score(response: str, answer: str) -> float:
-    return correct_prefix(response, answer) / max(1, len(answer.split()) - 1)
-
-
-def extract_answer(response: str) -> str | None:
-    """The path the response walks, "fox cup owl ...", up to its first unparsable line (None if it walks none)."""
-    words: list[str] = []
-    for step in parse_steps(response):
-        if step is None:
-            break
-        if not words:
-            words.append(step[0])
-        words.append(step[1])
-    return " ".join(words) or None
 
 
 async def step(state: str, action: str, extra_info: dict) -> dict:
