@@ -35,7 +35,7 @@ The regime task (`--task cycle_walk`; runs under outputs/sparse_regime, records 
 envs/cycle_walk.py, a 78-token prompt (6 word links of one loop, kept whole: compress_prompt off) and a 327-token
 response walking the loop for 48 numbered steps, reward = the share of the walk followed before the first mistake.
 One KV setting, `b80` = budget 80 (the response is > 4x the budget; a sequence ends holding at most 96 of its
-~405 entries), a 6-step warm-start, 6 GRPO steps at lr 5e-5, 340 new tokens, fp32 compute (bf16 is emulated on
+~405 entries), a 6-step warm-start, 6 GRPO steps at lr 3e-5, 340 new tokens, fp32 compute (bf16 is emulated on
 CPUs without it), and `rescue_group` in place of `rescue` among the five configurations.
 
 Each run is evaluated on the same held-out prompts, dense, temperature 1, one shared sampling seed
@@ -86,7 +86,7 @@ TASKS = {
     "cycle_walk": dict(env="envs/cycle_walk.py", compress_prompt=False, settings=("b80=80",),
                        quick_settings=("loose=40",), configs=["dense", "naive_sparse", "sparse_rl", "tail", "rescue_group"],
                        links=6, max_new_tokens=340, steps=6,
-                       prompts_per_step=4, n=8, lr=5e-5, sft_steps=6, eval_prompts=128, precision="float32",
+                       prompts_per_step=4, n=8, lr=3e-5, sft_steps=6, eval_prompts=128, precision="float32",
                        # 13k-token updates of a 135M model fit in memory: recomputing activations would cost ~25%
                        grpo_overrides=("model.activation_checkpointing=false",),
                        out="outputs/sparse_regime", record="docs/replications/sparse_regime"),
