@@ -110,7 +110,7 @@ def report(args, out: Path, records: Path, extra_configs: tuple[str, ...] = ()) 
             group = dense if c == "dense" else [r for r in recs.values() if r["setting"] == setting and r["config"] == c]
             gains = [run_gain(r, base) for r in group]
             g = mean_se(gains)
-            per = lambda key: mean_se([run_mean(r, key) for r in group if run_mean(r, key) is not None])  # noqa: E731
+            per = lambda key: mean_se([run_mean(r, key) for r in group])  # noqa: E731
             rows.append([c, len(group), pm(g, sign=True), fmt(prompt_se(group, base)),
                          share(g, dense_gain) if c != "dense" else "100%", pm(per("kv/retained_frac")),
                          pm(mean_se([final_batch_kv(r) for r in group])),
