@@ -9,7 +9,7 @@ from pathlib import Path
 
 from benchmarks.common import print_table
 from benchmarks.replicate_long import curves, mean_std, plot_bands
-from benchmarks.replicate_sparse_rl import fmt
+from benchmarks.replicate_sparse_rl import env_module, fmt
 
 # the per-step metrics a run's record keeps (rescue/before_xi_p05: records made before sampler/xi_p05 replaced it)
 KEPT = ("reward/mean", "kv/retained_frac", "kv/budget", "correction/rejected_seq_frac", "rescue/frac",
@@ -140,7 +140,35 @@ def report(args, out: Path, records: Path, extra_configs: tuple[str, ...] = ()) 
                        f"{Path(args.env).stem} ({args.links} links), {title}: training reward, mean ± std over seeds")
             plot_bands(curve, list(DIAGNOSTICS), out / f"{setting}_diagnostics.png",
                        f"{setting} (budget {budget}) diagnostics, mean ± std over seeds", cols=4)
+        if args.task == "cycle_walk":
+            text.append(first_mistakes(records, recs, setting, shown, lap=args.links, steps=env_module(args).NUM_STEPS))
     return "\n\n".join(text)
+
+
+def walk_failures(scores: list[float], lap: int, steps: int) -> tuple[int, int, int, int]:
+    """cycle_walk's held-out walks by where they first go wrong: (whole walks, first mistake in the first lap, in the
+    second, later). A score is k / steps for the k steps followed; a lap is `lap` steps (one per link)."""
+    k = [round(s * steps) for s in scores]
+    return (sum(x >= steps for x in k), sum(x < lap for x in k), sum(lap <= x < 2 * lap for x in k),
+            sum(2 * lap <= x < steps for x in k))
+
+
+def first_mistakes(records: Path, recs: dict, setting: str, shown: list[str], lap: int, steps: int) -> str:
+    """Where each policy's dense held-out walks fail, mean over seeds: the second lap is where a compressed sampler
+    has to read facts back from an evicted cache, so a policy trained on its rollouts shows what it learned there."""
+    rows = []
+    for name in ("warm-start", f"warm-start_{setting}"):
+        if (records / f"{name}.json").exists():
+            scores = json.loads((records / f"{name}.json").read_text())["eval"]["scores"]
+            rows.append([name + ("" if name == "warm-start" else " (compressed)"), 1, *walk_failures(scores, lap, steps)])
+    for c in shown:
+        group = [r for r in recs.values() if r["config"] == c and (c == "dense" or r["setting"] == setting)]
+        if group:
+            counts = [walk_failures(r["eval"]["scores"], lap, steps) for r in group]
+            rows.append([c, len(group), *(fmt(sum(col) / len(col), 1) for col in zip(*counts))])
+    return print_table(["policy", "seeds", "whole walks", "first mistake in lap 1", "in lap 2", "later"], rows,
+                       title=f"{setting}: where the held-out walks first go wrong (counts of prompts, mean over seeds; "
+                             "the trained policies evaluated dense)")
 
 
 def mean_of_scores(path: Path) -> str:
