@@ -105,9 +105,10 @@ def report(args, out: Path, records: Path, extra_configs: tuple[str, ...] = ()) 
                     f"dense held-out gain {dense_gain[0]:+.3f} (one seed)")
     shown = [*args.configs, *(c for c in extra_configs if c not in args.configs and any(r["config"] == c for r in recs.values()))]
     for setting, budget in args.settings.items():
-        rows, every, metrics = [], [], {}
+        rows, every, metrics, groups = [], [], {}, {}
         for c in shown:
             group = dense if c == "dense" else [r for r in recs.values() if r["setting"] == setting and r["config"] == c]
+            groups[c] = group
             gains = [run_gain(r, base) for r in group]
             g = mean_se(gains)
             per = lambda key: mean_se([run_mean(r, key) for r in group])  # noqa: E731
@@ -141,7 +142,7 @@ def report(args, out: Path, records: Path, extra_configs: tuple[str, ...] = ()) 
             plot_bands(curve, list(DIAGNOSTICS), out / f"{setting}_diagnostics.png",
                        f"{setting} (budget {budget}) diagnostics, mean ± std over seeds", cols=4)
         if args.task == "cycle_walk":
-            text.append(first_mistakes(records, recs, setting, shown, lap=args.links, steps=env_module(args).NUM_STEPS))
+            text.append(first_mistakes(records, base, setting, groups, lap=args.links, steps=env_module(args).NUM_STEPS))
     return "\n\n".join(text)
 
 
@@ -153,16 +154,17 @@ def walk_failures(scores: list[float], lap: int, steps: int) -> tuple[int, int, 
             sum(2 * lap <= x < steps for x in k))
 
 
-def first_mistakes(records: Path, recs: dict, setting: str, shown: list[str], lap: int, steps: int) -> str:
-    """Where each policy's dense held-out walks fail, mean over seeds: the second lap is where a compressed sampler
-    has to read facts back from an evicted cache, so a policy trained on its rollouts shows what it learned there."""
-    rows = []
-    for name in ("warm-start", f"warm-start_{setting}"):
-        if (records / f"{name}.json").exists():
-            scores = json.loads((records / f"{name}.json").read_text())["eval"]["scores"]
-            rows.append([name + ("" if name == "warm-start" else " (compressed)"), 1, *walk_failures(scores, lap, steps)])
-    for c in shown:
-        group = [r for r in recs.values() if r["config"] == c and (c == "dense" or r["setting"] == setting)]
+def first_mistakes(records: Path, base: list[float], setting: str, groups: dict[str, list[dict]], lap: int,
+                   steps: int) -> str:
+    """Where each policy's dense held-out walks fail, mean over seeds (`groups`: configuration -> its records, as
+    the setting's table has them): the second lap is where a compressed sampler has to read facts back from an
+    evicted cache, so a policy trained on its rollouts shows what it learned there."""
+    rows = [["warm-start", 1, *walk_failures(base, lap, steps)]]
+    compressed = records / f"warm-start_{setting}.json"
+    if compressed.exists():
+        scores = json.loads(compressed.read_text())["eval"]["scores"]
+        rows.append([f"warm-start_{setting} (compressed)", 1, *walk_failures(scores, lap, steps)])
+    for c, group in groups.items():
         if group:
             counts = [walk_failures(r["eval"]["scores"], lap, steps) for r in group]
             rows.append([c, len(group), *(fmt(sum(col) / len(col), 1) for col in zip(*counts))])

@@ -150,11 +150,9 @@ def test_walk_failures_by_lap(tmp_path):
     # 12-step walks over 3-link loops: k steps followed score k / 12; k = 12 is a whole walk
     scores = [k / 12 for k in (0, 2, 3, 5, 6, 11, 12, 12)]
     assert walk_failures(scores, lap=3, steps=12) == (2, 2, 2, 2)
-    (tmp_path / "warm-start.json").write_text(json.dumps({"eval": {"scores": scores}}))
-    recs = {f"b_naive_sparse_seed{s}": {"config": "naive_sparse", "setting": "b", "seed": s,
-                                          "eval": {"scores": [k / 12 for k in ks]}}
-            for s, ks in ((0, (12, 1, 4, 4)), (1, (12, 12, 4, 7)))}
-    table = first_mistakes(tmp_path, recs, "b", ["dense", "naive_sparse"], lap=3, steps=12)
+    naive = [{"config": "naive_sparse", "setting": "b", "seed": s, "eval": {"scores": [k / 12 for k in ks]}}
+             for s, ks in ((0, (12, 1, 4, 4)), (1, (12, 12, 4, 7)))]
+    table = first_mistakes(tmp_path, scores, "b", {"dense": [], "naive_sparse": naive}, lap=3, steps=12)
     assert "| warm-start " in table and "| dense " not in table  # no dense record: no row
     # seed 0: 1 whole, 1 in lap 1, 2 in lap 2; seed 1: 2 whole, 1 in lap 2, 1 later
     assert "| naive_sparse | 2     | 1.5         | 0.5                    | 1.5      | 0.5   |" in table
