@@ -99,6 +99,9 @@ def report(args, out: Path, records: Path, extra_configs: tuple[str, ...] = ()) 
             f"temperature 1)" + "".join(
                 f"; under {s} (budget {b}): {mean_of_scores(records / f'warm-start_{s}.json')}"
                 for s, b in args.settings.items())]
+    if getattr(args, "eval_as_sampled", False):
+        text.append("as sampled: each sparse run's policy is evaluated with its run's compression (rollout.kv.* of its "
+                    "config.yaml), dense runs and the warm-start dense; its gain is over the dense warm-start")
     if dense_gain:
         text.append(f"dense held-out gain {dense_gain[0]:+.3f} ± {dense_gain[1]:.3f} (standard error over {len(dense)} "
                     f"seeds): {dense_gain[0] / dense_gain[1]:.1f} standard errors above zero" if dense_gain[1] is not None else
@@ -142,7 +145,8 @@ def report(args, out: Path, records: Path, extra_configs: tuple[str, ...] = ()) 
             plot_bands(curve, list(DIAGNOSTICS), out / f"{setting}_diagnostics.png",
                        f"{setting} (budget {budget}) diagnostics, mean ± std over seeds", cols=4)
         if args.task == "cycle_walk":
-            text.append(first_mistakes(records, base, setting, groups, lap=args.links, steps=env_module(args).NUM_STEPS))
+            text.append(first_mistakes(records, base, setting, groups, lap=args.links, steps=env_module(args).NUM_STEPS,
+                                       as_sampled=getattr(args, "eval_as_sampled", False)))
     return "\n\n".join(text)
 
 
@@ -155,10 +159,10 @@ def walk_failures(scores: list[float], lap: int, steps: int) -> tuple[int, int, 
 
 
 def first_mistakes(records: Path, base: list[float], setting: str, groups: dict[str, list[dict]], lap: int,
-                   steps: int) -> str:
-    """Where each policy's dense held-out walks fail, mean over seeds (`groups`: configuration -> its records, as
-    the setting's table has them): the second lap is where a compressed sampler has to read facts back from an
-    evicted cache, so a policy trained on its rollouts shows what it learned there."""
+                   steps: int, as_sampled: bool = False) -> str:
+    """Where each policy's held-out walks fail, mean over seeds (`groups`: configuration -> its records, as the
+    setting's table has them; evaluated dense, or with the runs' compression when `as_sampled`): the second lap is
+    where a compressed sampler has to read facts back from an evicted cache."""
     rows = [["warm-start", 1, *walk_failures(base, lap, steps)]]
     compressed = records / f"warm-start_{setting}.json"
     if compressed.exists():
@@ -170,7 +174,8 @@ def first_mistakes(records: Path, base: list[float], setting: str, groups: dict[
             rows.append([c, len(group), *(fmt(sum(col) / len(col), 1) for col in zip(*counts))])
     return print_table(["policy", "seeds", "whole walks", "first mistake in lap 1", "in lap 2", "later"], rows,
                        title=f"{setting}: where the held-out walks first go wrong (counts of prompts, mean over seeds; "
-                             "the trained policies evaluated dense)")
+                             + ("the sparse runs' policies evaluated with their runs' compression)"
+                                if as_sampled else "the trained policies evaluated dense)"))
 
 
 def mean_of_scores(path: Path) -> str:

@@ -39,7 +39,8 @@ One KV setting, `b80` = budget 80 (the response is > 4x the budget; a sequence e
 CPUs without it), and `rescue_group` in place of `rescue` among the five configurations.
 
 Each run is evaluated on the same held-out prompts, dense, temperature 1, one shared sampling seed
-(`python -m sparserl.eval`); the score is the mean reward. The summary reports, per setting and configuration,
+(`python -m sparserl.eval`; a sparse run's evaluation sets `rollout.kv.algorithm=none`, because `sparserl.eval`
+otherwise samples a run's policy with the run's own compression; `--eval-as-sampled` does that instead); the score is the mean reward. The summary reports, per setting and configuration,
 the held-out gain over the warm-start (mean ± standard error over seeds, and the standard error of per-prompt
 gains averaged over seeds), the share of dense's mean gain kept, KV kept per sequence (`kv/retained_frac`),
 the rejected share, the rescued share, and minutes per run; every run on its own line; reward and diagnostic
@@ -131,6 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eval-prompts", type=int, default=None)
     ap.add_argument("--eval-n", type=int, default=1)
     ap.add_argument("--max-minutes", type=float, default=None, help="start no new run after this many minutes")
+    ap.add_argument("--eval-as-sampled", action="store_true",
+                    help="evaluate each sparse run's policy with its own run's compression (rollout.kv.* of its "
+                         "config.yaml) instead of dense; the records of docs/replications/sparse_regime/as_sampled")
     ap.add_argument("--keep-policies", action="store_true", help="keep each run's final policy and checkpoints")
     ap.add_argument("--report-only", action="store_true", help="run nothing: tables and plots from the records")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and stop")
@@ -218,7 +222,10 @@ def plan(args, out: Path) -> list[dict]:
         r["dir"] = out / "runs" / r["name"]
         r["cmd"] = grpo_command(a, preset, out / "sft" / "hf", out / "data" / "prompts.jsonl", r["dir"],
                                 extra=(*extra, *precision(args)))
-        r["eval_cmd"] = evaluation(args, r["dir"] / "hf", out, r["name"], None)
+        # `sparserl.eval` samples a run's policy with the run's own rollout.kv.* unless the command line sets them: a
+        # sparse run's policy is evaluated dense only when told so (its dense runs and the warm-start's are dense)
+        dense = r["config"] != "dense" and not args.eval_as_sampled
+        r["eval_cmd"] = evaluation(args, r["dir"] / "hf", out, r["name"], None, over_the_run=dense)
     return runs
 
 
@@ -235,11 +242,13 @@ def warm_start_evals(args, out: Path) -> dict[str, list[str]]:
     return cmds
 
 
-def evaluation(args, model: Path, out: Path, name: str, budget: int | None) -> list[str]:
-    """The held-out evaluation of `model` into OUT/eval/<name>: dense, or with R-KV at `budget`; the runs' precision."""
+def evaluation(args, model: Path, out: Path, name: str, budget: int | None, over_the_run: bool = False) -> list[str]:
+    """The held-out evaluation of `model` into OUT/eval/<name>: dense, or with R-KV at `budget`; the runs' precision.
+    `over_the_run`: `rollout.kv.algorithm=none` on the command line, so a sparse run's policy is evaluated dense
+    rather than with the compression its run's config.yaml names."""
     a = args if budget is None else with_(args, budget=budget)
     return [*eval_command(a, model, out / "data" / "held_out.jsonl", out / "eval" / name, budget is not None),
-            *precision(args)]
+            *precision(args), *(["rollout.kv.algorithm=none"] if over_the_run else [])]
 
 
 def portable(cmd: list[str], out: Path) -> str:

@@ -43,6 +43,7 @@ def test_quick_mode_records_every_run_and_resumes_from_the_records(tiny_checkpoi
         assert len(rec["eval"]["scores"]) == 2 and rec["wall_s"] > 0
         assert rec["cmd"].startswith("python -m sparserl.trainer.grpo") and "OUT/runs/" + name in rec["cmd"]
         assert not (out / "runs" / name / "hf").exists()  # the policy is dropped once recorded
+        assert rec["eval"]["kv"] == 1.0  # every policy is evaluated dense, the sparse runs' too
         kv = [m["kv/retained_frac"] for m in rec["metrics"]]
         assert all(k == 1.0 for k in kv) if name.startswith("dense") else all(k < 1.0 for k in kv)
     tail = json.loads((records / "loose_tail_seed0.json").read_text())["metrics"]
@@ -123,6 +124,12 @@ def test_the_regime_task_keeps_the_prompt_whole_and_its_own_records(capsys, tmp_
     assert "b80_rescue_group_seed2" in names and not [n for n in names if "_rescue_seed" in n]  # the group rescue
     evals = [shlex.split(line) for line in lines if "sparserl.eval" in line]
     assert [c for c in evals if "rollout.kv.budget=80" in c and "rollout.kv.algorithm=rkv" in c]
+    # `sparserl.eval` takes a run's rollout.kv.* from its config.yaml: a sparse run's policy is evaluated dense only
+    # because its command says so, and --eval-as-sampled leaves the run's compression in place
+    assert all(("rollout.kv.algorithm=none" in r["eval_cmd"]) == (r["config"] != "dense")
+               for r in replicate_gain.plan(args, tmp_path))
+    as_sampled = replicate_gain.plan(replicate_gain.parse_args(["--task", "cycle_walk", "--eval-as-sampled"]), tmp_path)
+    assert not [r for r in as_sampled if "rollout.kv.algorithm=none" in r["eval_cmd"]]
     sft = next(shlex.split(line) for line in lines if "sparserl.trainer.sft" in line)
     assert "env.path=envs/cycle_walk.py" in sft and "trainer.total_steps=6" in sft
 
