@@ -99,7 +99,7 @@ def report(args, out: Path, records: Path, extra_configs: tuple[str, ...] = ()) 
             f"temperature 1)" + "".join(
                 f"; under {s} (budget {b}): {mean_of_scores(records / f'warm-start_{s}.json')}"
                 for s, b in args.settings.items())]
-    if getattr(args, "eval_as_sampled", False):
+    if args.eval_as_sampled:
         text.append("as sampled: each sparse run's policy is evaluated with its run's compression (rollout.kv.* of its "
                     "config.yaml), dense runs and the warm-start dense; its gain is over the dense warm-start")
     if dense_gain:
@@ -146,7 +146,7 @@ def report(args, out: Path, records: Path, extra_configs: tuple[str, ...] = ()) 
                        f"{setting} (budget {budget}) diagnostics, mean ± std over seeds", cols=4)
         if args.task == "cycle_walk":
             text.append(first_mistakes(records, base, setting, groups, lap=args.links, steps=env_module(args).NUM_STEPS,
-                                       as_sampled=getattr(args, "eval_as_sampled", False)))
+                                       as_sampled=args.eval_as_sampled))
     return "\n\n".join(text)
 
 

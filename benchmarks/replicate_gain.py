@@ -40,7 +40,8 @@ CPUs without it), and `rescue_group` in place of `rescue` among the five configu
 
 Each run is evaluated on the same held-out prompts, dense, temperature 1, one shared sampling seed
 (`python -m sparserl.eval`; a sparse run's evaluation sets `rollout.kv.algorithm=none`, because `sparserl.eval`
-otherwise samples a run's policy with the run's own compression; `--eval-as-sampled` does that instead); the score is the mean reward. The summary reports, per setting and configuration,
+otherwise samples a run's policy with the run's own compression; `--eval-as-sampled` does that instead); the score
+is the mean reward. The summary reports, per setting and configuration,
 the held-out gain over the warm-start (mean ± standard error over seeds, and the standard error of per-prompt
 gains averaged over seeds), the share of dense's mean gain kept, KV kept per sequence (`kv/retained_frac`),
 the rejected share, the rescued share, and minutes per run; every run on its own line; reward and diagnostic
@@ -224,8 +225,8 @@ def plan(args, out: Path) -> list[dict]:
                                 extra=(*extra, *precision(args)))
         # `sparserl.eval` samples a run's policy with the run's own rollout.kv.* unless the command line sets them: a
         # sparse run's policy is evaluated dense only when told so (its dense runs and the warm-start's are dense)
-        dense = r["config"] != "dense" and not args.eval_as_sampled
-        r["eval_cmd"] = evaluation(args, r["dir"] / "hf", out, r["name"], None, over_the_run=dense)
+        force_dense = r["config"] != "dense" and not args.eval_as_sampled
+        r["eval_cmd"] = evaluation(args, r["dir"] / "hf", out, r["name"], None, force_dense=force_dense)
     return runs
 
 
@@ -242,13 +243,13 @@ def warm_start_evals(args, out: Path) -> dict[str, list[str]]:
     return cmds
 
 
-def evaluation(args, model: Path, out: Path, name: str, budget: int | None, over_the_run: bool = False) -> list[str]:
+def evaluation(args, model: Path, out: Path, name: str, budget: int | None, force_dense: bool = False) -> list[str]:
     """The held-out evaluation of `model` into OUT/eval/<name>: dense, or with R-KV at `budget`; the runs' precision.
-    `over_the_run`: `rollout.kv.algorithm=none` on the command line, so a sparse run's policy is evaluated dense
+    `force_dense`: `rollout.kv.algorithm=none` on the command line, so a sparse run's policy is evaluated dense
     rather than with the compression its run's config.yaml names."""
     a = args if budget is None else with_(args, budget=budget)
     return [*eval_command(a, model, out / "data" / "held_out.jsonl", out / "eval" / name, budget is not None),
-            *precision(args), *(["rollout.kv.algorithm=none"] if over_the_run else [])]
+            *precision(args), *(["rollout.kv.algorithm=none"] if force_dense else [])]
 
 
 def portable(cmd: list[str], out: Path) -> str:
