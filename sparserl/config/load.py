@@ -1,7 +1,8 @@
 """Loading a run's configuration: `load_config(overrides)` composes `configs/<name>.yaml` over the schema
 (sparserl/config/schema.py) with command-line overrides (`key=value`, `+preset=sparse_rl`), checks every overridden key
 against the schema first (a misspelled key fails naming the closest valid names; a key that was renamed or folded
-into another, `RENAMED`, fails naming its replacement), checks every value (sparserl/config/checks.py), and
+into another, `RENAMED`, fails naming its replacement; a value of the wrong type fails naming the type the key
+wants, with its default as an example), checks every value (sparserl/config/checks.py), and
 returns the typed `Config`. Nothing past this module sees a DictConfig. This module imports no torch.
 """
 from __future__ import annotations
@@ -126,6 +127,63 @@ def _renamed_in(exc: BaseException) -> str | None:
     return None
 
 
+def _kind(hint: Any) -> str:
+    """What a value of annotation `hint` is, in words: 'an integer', 'a list of numbers', ..."""
+    words = {int: ("an integer", "integers"), float: ("a number", "numbers"), bool: ("true or false", "true/false values"),
+             str: ("a string", "strings")}
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (list, tuple):
+        inner = words.get(args[0], ("", "values"))[1] if args else "values"
+        return f"a list of {inner}"
+    if typing.get_origin(hint) is dict:
+        return "a map {key: value}"
+    if len(args) == 1 and len(typing.get_args(hint)) == 2:  # X | None
+        return f"{_kind(args[0])} or null"
+    return words.get(hint, (getattr(hint, "__name__", str(hint)),))[0]
+
+
+def _example(value: Any, hint: Any) -> str:
+    """`value` (a key's default) as the command line writes it; an empty list gets two made-up items of its type."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        if not value:
+            inner = (typing.get_args(hint) or (str,))[0]
+            return {int: "[1,2]", float: "[0.5,1.0]"}.get(inner, "[a,b]")
+        return "[" + ",".join(_example(v, None) for v in value) + "]"
+    return "null" if value is None else str(value)
+
+
+def _wrong_type(exc: BaseException, overrides: list[str]) -> str | None:
+    """The line for a value of the wrong type (omegaconf's ValidationError on a schema key), naming the type the key
+    wants and its default as an example; None when composing failed for another reason."""
+    from omegaconf.errors import ValidationError
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        key = getattr(exc, "full_key", None)
+        if isinstance(exc, ValidationError) and isinstance(key, str) and key:
+            key = key.split("[", 1)[0]
+            break
+        exc = exc.__cause__ or exc.__context__
+    else:
+        return None
+    node: Any = Config
+    default = Config()
+    *groups, name = key.split(".")
+    for part in groups:
+        if node is None or part not in _fields(node):
+            return None
+        node, default = group_type(node, part), getattr(default, part)
+    if node is None or name not in _fields(node):
+        return None
+    hint = field_type(node, name)
+    given = next((ov.lstrip("+~") for ov in overrides if ov.lstrip("+~").split("=", 1)[0] == key), None)
+    where = f"{given}: {key}" if given else f"{key} (set in a config file)"
+    return f"{where} wants {_kind(hint)}, e.g. {key}={_example(getattr(default, name), hint)}"
+
+
 def load_config(overrides: list[str] | None = None, config_name: str = "grpo", config_dir: Path | None = None) -> Config:
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
@@ -151,6 +209,9 @@ def load_config(overrides: list[str] | None = None, config_name: str = "grpo", c
         old = _renamed_in(e)
         if old is not None:
             raise renamed_error(old) from None
+        wrong = _wrong_type(e, overrides)
+        if wrong is not None:
+            raise UserError(wrong) from None
         raise UserError(" ".join(str(e).split())) from None
     assert isinstance(obj, Config)
     check_config(obj)
