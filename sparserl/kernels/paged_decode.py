@@ -20,8 +20,13 @@ and the table width W, never on the lengths' values) and nothing syncs with the 
 captured in a CUDA graph as long as the table keeps its width.
 
 `reference_decode_attention` is the same contract in plain torch (the tests' oracle). Without a usable
-kernel (no triton, or a CPU tensor without the interpreter) `paged_decode_attention` falls back to it, so a
-caller never needs a second code path; `kernel_available(device)` says which one runs.
+kernel (no triton, a CPU tensor without the interpreter, or a CUDA device where the first launch failed)
+`paged_decode_attention` falls back to it, so a caller never needs a second code path;
+`kernel_available(device)` says which one runs. On CUDA it probes once per device and process
+(`launch_problem`): triton builds its launcher with the host's C compiler and Python's headers at the first
+launch, not at import, so a machine without gcc or Python.h imports triton and then fails in the first forward.
+`launches` lists the launches of a call without running them; `compile_check.py` compiles them for GPU targets
+on a machine without one (the CI test and the table in docs/gpu.md).
 
 Left out on purpose: more than one query per row (prefill and speculative decoding go through SDPA), head
 sizes that are not a power of two in [16, 256] (a clear ValueError), attention sinks, soft-capping, sliding
@@ -30,7 +35,12 @@ sync: slots must lie in [0, S)).
 """
 from __future__ import annotations
 
+import functools
+import logging
 import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -45,13 +55,75 @@ except ImportError:  # the kernel is optional: the reference covers every call
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+log = logging.getLogger(__name__)
+
+
 def kernel_available(device: torch.device | str) -> bool:
-    """Whether the Triton kernel can run on `device`: triton imports, and the device is CUDA, or CPU with the
-    interpreter (TRITON_INTERPRET=1 set before this module was imported)."""
+    """Whether the Triton kernel runs on `device`: triton imports, and the device is CPU with the interpreter
+    (TRITON_INTERPRET=1 set before this module was imported), or CUDA where the probe at first use passed
+    (`launch_problem`)."""
     if triton is None:
         return False
-    kind = torch.device(device).type
-    return kind == "cuda" or (kind == "cpu" and _INTERPRETED)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _INTERPRETED
+    return device.type == "cuda" and launch_problem(device) is None
+
+
+@functools.cache
+def launch_problem(device: torch.device) -> str | None:
+    """Why the kernel cannot run on the CUDA `device`, or None when it can; probed once per device and process, and
+    a problem is logged in one line. The probe builds a tiny extension module with triton's own build step (the
+    C compiler and Python.h its launcher needs), then launches both kernels once on a tiny case and compares them
+    with the reference."""
+    problem = build_problem()
+    if problem is None:
+        try:
+            problem = _tiny_launch_problem(device)
+        except Exception as e:  # whatever the first launch raises (no device, driver, compile) means: not here
+            problem = f"the first launch raised {_first_line(e)}"
+    if problem is not None:
+        log.warning("paged decode kernel off on %s (%s): decode attention takes the SDPA path", device, problem)
+    return problem
+
+
+_PROBE_C = """#include <Python.h>
+static struct PyModuleDef probe = {PyModuleDef_HEAD_INIT, "sparserl_triton_probe", NULL, -1, NULL};
+PyMODINIT_FUNC PyInit_sparserl_triton_probe(void) { return PyModule_Create(&probe); }
+"""
+
+
+def build_problem() -> str | None:
+    """Why triton's build step (`triton.runtime.build._build`: the C compiler from $CC or PATH, Python's headers)
+    fails on this host, or None when a tiny extension module builds. Not cached by triton: it runs every time."""
+    from triton.runtime import build
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "sparserl_triton_probe.c"
+        src.write_text(_PROBE_C)
+        try:
+            build._build("sparserl_triton_probe", str(src), tmp, [], [], [], [])
+        except Exception as e:
+            return f"triton's build step failed, {_first_line(e)} (it needs a C compiler and Python.h)"
+    return None
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _tiny_launch_problem(device: torch.device) -> str | None:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g).to(device) for shape in ((1, 2, 16), (64, 1, 16), (64, 1, 16)))
+    table = torch.arange(64, dtype=torch.int32).flip(0)[None].to(device)
+    lengths = torch.tensor([50], device=device)
+    with torch.cuda.device(device):
+        out, plan = launches(q, k, v, table, lengths, block_n=16, split_len=16)  # 4 splits: both kernels
+        for launch in plan:
+            launch.kernel[launch.grid](*launch.args, **launch.constants)
+    err = (out - reference_decode_attention(q, k, v, table, lengths)).abs().max().item()
+    return None if err < 1e-3 else f"a tiny launch differs from the reference by {err:.3g}"
 
 
 def _check(q, k_pool, v_pool, slot_table, lengths) -> None:
@@ -93,12 +165,14 @@ def reference_decode_attention(q, k_pool, v_pool, slot_table, lengths, scale=Non
 
 if triton is not None:
 
-    @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, part_ptr, lse_ptr, out_ptr, scale, W,
-                      stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_tw,
-                      stride_lb, stride_lh, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                      BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                      DOT_FP32: tl.constexpr):
+    # split_len and num_splits stay runtime integers (not constexpr, not specialized on their values), so that the
+    # batch-size buckets and table widths of the static step (which move them) share one compiled kernel per
+    # (dtype, D, G, one split or several) instead of one per combination.
+    @triton.jit(do_not_specialize=["split_len", "num_splits"])
+    def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, part_ptr, lse_ptr, out_ptr, scale, W, split_len,
+                      num_splits, stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
+                      stride_tw, stride_lb, stride_lh, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                      BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr):
         """One (row, KV head, split): online softmax of the G query heads over the split's entries. With one
         split it writes the normalized output; otherwise the partial output and its log-sum-exp. DOT_FP32 runs
         the dots in fp32 (the interpreter's tl.dot multiplies bf16 bit patterns as integers)."""
@@ -107,8 +181,8 @@ if triton is not None:
         split = tl.program_id(2)
         length = tl.load(len_ptr + b * stride_lb + kvh * stride_lh).to(tl.int32)
         length = tl.minimum(tl.maximum(length, 0), W)
-        start = split * SPLIT_LEN
-        end = tl.minimum(start + SPLIT_LEN, length)
+        start = split * split_len
+        end = tl.minimum(start + split_len, length)
         offs_g = tl.arange(0, G_PAD)
         offs_d = tl.arange(0, D)
         heads = kvh * G + offs_g
@@ -141,31 +215,45 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             m_i = m_new
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (or row) stays zero
-        if NUM_SPLITS == 1:
+        if ONE_SPLIT:
             tl.store(out_ptr + (b * G * tl.num_programs(1) + heads[:, None]) * D + offs_d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=q_mask)
         else:
-            row = (b * G * tl.num_programs(1) + heads) * NUM_SPLITS + split  # partials (B, H, NUM_SPLITS, D)
+            row = (b * G * tl.num_programs(1) + heads) * num_splits + split  # partials (B, H, num_splits, D)
             tl.store(part_ptr + row[:, None] * D + offs_d[None, :], o, mask=q_mask)
             lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + row, lse, mask=offs_g < G)
 
-    @triton.jit
-    def _merge_kernel(part_ptr, lse_ptr, out_ptr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                      S_PAD: tl.constexpr):
-        """One (row, query head): weight the splits' outputs by exp(lse - max lse); zero when all are empty."""
+    @triton.jit(do_not_specialize=["num_splits"])
+    def _merge_kernel(part_ptr, lse_ptr, out_ptr, num_splits, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+        """One (row, query head): weight the splits' outputs by exp(lse - max lse); zero when all are empty.
+        The splits are read SPLIT_BLOCK at a time (a first pass for the max, a second to accumulate), so the
+        registers do not grow with their number: a (num_splits, D) tile in registers spilled at 256 splits."""
         bh = tl.program_id(0)
-        offs_s = tl.arange(0, S_PAD)
+        offs_s = tl.arange(0, SPLIT_BLOCK)
         offs_d = tl.arange(0, D)
-        s_mask = offs_s < NUM_SPLITS
-        lse = tl.load(lse_ptr + bh * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
-        m = tl.max(lse, 0)
-        w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))  # exp(-inf) = 0 for empty splits
-        part = tl.load(part_ptr + (bh * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :],
-                       mask=s_mask[:, None], other=0.0)
-        total = tl.sum(w, 0)
-        o = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+        base = bh * num_splits
+        m_vec = tl.full([SPLIT_BLOCK], float("-inf"), tl.float32)
+        for s0 in range(0, num_splits, SPLIT_BLOCK):
+            s = s0 + offs_s
+            m_vec = tl.maximum(m_vec, tl.load(lse_ptr + base + s, mask=s < num_splits, other=float("-inf")))
+        m = tl.max(m_vec, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: every weight is exp(-inf) = 0
+        acc = tl.zeros([D], tl.float32)
+        w_sum = tl.zeros([SPLIT_BLOCK], tl.float32)
+        for s0 in range(0, num_splits, SPLIT_BLOCK):
+            s = s0 + offs_s
+            s_mask = s < num_splits
+            w = tl.exp(tl.load(lse_ptr + base + s, mask=s_mask, other=float("-inf")) - m)
+            part = tl.load(part_ptr + (base + s)[:, None] * D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+            acc += tl.sum(part * w[:, None], 0)
+            w_sum += w
+        total = tl.sum(w_sum, 0)
+        o = acc / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + bh * D + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+MERGE_SPLIT_BLOCK = 16  # splits the merge reads per step: a (16, D) fp32 tile, 32 registers a thread at D = 256
 
 
 def _pow2(n: int) -> int:
@@ -186,14 +274,22 @@ def _launch_config(B: int, hkv: int, D: int, W: int, block_n, split_len) -> tupl
     return block_n, split_len, max(1, -(-W // split_len))
 
 
-def paged_decode_attention(q, k_pool, v_pool, slot_table, lengths, scale=None, *, block_n=None,
-                           split_len=None) -> torch.Tensor:
-    """Decode attention of `q` (B, H, D) over the pool slots of each row (see the module docstring for the
-    contract). `block_n` (slots per inner step, a power of two >= 16) and `split_len` (entries per split, rounded
-    up to a multiple of block_n) override the defaults, which depend on the shapes only (`_launch_config`)."""
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a call: `kernel[grid](*args, **constants)`. The compile check
+    (`sparserl/kernels/compile_check.py`) compiles exactly these for a GPU target without launching them."""
+
+    kernel: object  # a triton JITFunction (the interpreter's function under TRITON_INTERPRET=1)
+    grid: tuple[int, ...]
+    args: tuple
+    constants: dict
+
+
+def launches(q, k_pool, v_pool, slot_table, lengths, scale=None, *, block_n=None,
+             split_len=None) -> tuple[torch.Tensor, list[Launch]]:
+    """The output tensor of a `paged_decode_attention` call and the launches that fill it (not run). Raises the
+    call's ValueErrors (shapes, head size, dtypes, devices)."""
     _check(q, k_pool, v_pool, slot_table, lengths)
-    if not kernel_available(q.device):
-        return reference_decode_attention(q, k_pool, v_pool, slot_table, lengths, scale)
     B, H, D = q.shape
     hkv, W = k_pool.shape[1], slot_table.shape[1]
     if D < 16 or D > 256 or D != _pow2(D):
@@ -212,12 +308,27 @@ def paged_decode_attention(q, k_pool, v_pool, slot_table, lengths, scale=None, *
         part = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
         lse = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
     stride_lh = lengths.stride(1) if lengths.dim() == 2 else 0
-    _split_kernel[(B, hkv, num_splits)](
+    plan = [Launch(_split_kernel, (B, hkv, num_splits), (
         q, k_pool, v_pool, slot_table, lengths, part, lse, out, float(D**-0.5 if scale is None else scale), W,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        slot_table.stride(0), slot_table.stride(1), lengths.stride(0), stride_lh,
-        G=G, G_PAD=max(16, _pow2(G)), D=D, BLOCK_N=block_n, SPLIT_LEN=split_len, NUM_SPLITS=num_splits,
-        DOT_FP32=_INTERPRETED and k_pool.dtype == torch.bfloat16)
+        split_len, num_splits, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0),
+        v_pool.stride(1), slot_table.stride(0), slot_table.stride(1), lengths.stride(0), stride_lh),
+        dict(G=G, G_PAD=max(16, _pow2(G)), D=D, BLOCK_N=block_n, ONE_SPLIT=num_splits == 1,
+             DOT_FP32=_INTERPRETED and k_pool.dtype == torch.bfloat16))]
     if num_splits > 1:
-        _merge_kernel[(B * H,)](part, lse, out, D=D, NUM_SPLITS=num_splits, S_PAD=_pow2(num_splits))
+        plan.append(Launch(_merge_kernel, (B * H,), (part, lse, out, num_splits),
+                           dict(D=D, SPLIT_BLOCK=MERGE_SPLIT_BLOCK)))
+    return out, plan
+
+
+def paged_decode_attention(q, k_pool, v_pool, slot_table, lengths, scale=None, *, block_n=None,
+                           split_len=None) -> torch.Tensor:
+    """Decode attention of `q` (B, H, D) over the pool slots of each row (see the module docstring for the
+    contract). `block_n` (slots per inner step, a power of two >= 16) and `split_len` (entries per split, rounded
+    up to a multiple of block_n) override the defaults, which depend on the shapes only (`_launch_config`)."""
+    _check(q, k_pool, v_pool, slot_table, lengths)
+    if not kernel_available(q.device):
+        return reference_decode_attention(q, k_pool, v_pool, slot_table, lengths, scale)
+    out, plan = launches(q, k_pool, v_pool, slot_table, lengths, scale, block_n=block_n, split_len=split_len)
+    for launch in plan:
+        launch.kernel[launch.grid](*launch.args, **launch.constants)
     return out
