@@ -18,11 +18,11 @@ if TYPE_CHECKING:
     from sparserl.config.schema import (CONFIG_DIR, ActorConfig, AlgoConfig, Config, DataConfig, DynamicSamplingConfig,
                                         EnvConfig, EvalConfig, KLConfig, LoggerConfig, LoRAConfig, ModelConfig,
                                         OpenRewardConfig, OverlongConfig, ParallelConfig, RolloutConfig, SGLangConfig,
-                                        TrainerConfig, WandbConfig, base_configs, to_dict, to_yaml)
+                                        SFT_CONFIG_HEADER, TrainerConfig, WandbConfig, base_configs, to_dict, to_yaml)
 
 __all__ = ["CONFIG_DIR", "ActorConfig", "AlgoConfig", "Config", "DataConfig", "DynamicSamplingConfig", "EnvConfig",
            "EvalConfig", "KLConfig", "LoggerConfig", "LoRAConfig", "ModelConfig", "OpenRewardConfig", "OverlongConfig",
-           "ParallelConfig", "RolloutConfig", "SGLangConfig", "TrainerConfig", "WandbConfig", "base_configs", "to_dict",
+           "ParallelConfig", "RolloutConfig", "SGLangConfig", "SFT_CONFIG_HEADER", "TrainerConfig", "WandbConfig", "base_configs", "to_dict",
            "to_yaml", "load_config"]
 _SCHEMA = frozenset(__all__) - {"load_config"}
 

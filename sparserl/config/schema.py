@@ -349,6 +349,11 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+# The first line of an SFT run's config.yaml. The file has the GRPO trainer's keys (one schema), but such a run sampled
+# nothing: `python -m sparserl.eval` takes no sampling setting from it (sparserl/eval/run_settings.py).
+SFT_CONFIG_HEADER = "# sparserl.trainer.sft: trained on fixed targets; the rollout.* keys below were not used\n"
+
+
 def to_yaml(cfg: Config) -> str:
     from omegaconf import OmegaConf
 

@@ -8,8 +8,11 @@ other `rollout.kv.*` key of the run's). A key the command line sets, as `key=val
 that sets it, keeps the command line's value; the base config (`--config-name`) does not count. `take_run_settings`
 returns the config and the lines `python -m sparserl.eval` prints first: what it took from the run's config, and
 which keys the command line set over the run's values. Any other model path (a Hugging Face folder or hub id, a
-LoRA adapter folder outside a run) is evaluated with the config as loaded. An SFT run's folder counts as a run: its
-config.yaml has the same keys.
+LoRA adapter folder outside a run) is evaluated with the config as loaded. An SFT run's folder is not a run that
+sampled: its config.yaml has the same keys, but its `rollout.*` values were never used, so nothing is taken from it
+(the first line of the file says it is an SFT run's). A run with `rollout.kv.budget=auto` is evaluated at the budget
+its controller had reached, saved with the checkpoint (`controller_budget`), and the number is what eval.json
+records.
 
 Left out on purpose: taking other sampling keys (the run's `rollout.temperature`, `top_p`, `stop_strings`; eval
 has its own `eval.temperature` and `eval.top_p`), and showing the taken values in `--help` or `--cfg job`.
@@ -19,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sparserl.config import CONFIG_DIR, Config
+from sparserl.config import CONFIG_DIR, SFT_CONFIG_HEADER, Config
 from sparserl.config.checks import check_config
 from sparserl.config.load import leaf_keys
 from sparserl.kv.policy import KVPolicyConfig
@@ -111,6 +114,9 @@ def take_run_settings(cfg: Config, argv: list[str]) -> tuple[Config, list[str]]:
     except (OmegaConfBaseException, ValueError, OSError) as e:
         why = " ".join(str(e).split())
         raise UserError(f"model.path={cfg.model.path}: cannot read the run's config {source}: {why}") from None
+    if source.read_text().startswith(SFT_CONFIG_HEADER):
+        return cfg, [f"eval: {source} is an SFT run's config: it sampled nothing, so eval takes no setting from it "
+                     f"(eval.max_new_tokens={cfg.eval.max_new_tokens}, rollout.kv.algorithm={cfg.rollout.kv.algorithm})"]
     given = command_line_keys(argv)
     taken: dict[str, Any] = {}  # eval's key: the run's value
     kept: dict[str, Any] = {}  # eval's key: the run's value, where the command line set the key
@@ -122,6 +128,9 @@ def take_run_settings(cfg: Config, argv: list[str]) -> tuple[Config, list[str]]:
     if dense:  # the command line asks for a dense evaluation: the run's other KV settings do not apply
         taken = {k: v for k, v in taken.items() if not k.startswith("rollout.kv.")}
         kept = {k: v for k, v in kept.items() if k == "rollout.kv.algorithm" or not k.startswith("rollout.kv.")}
+    budget_line = None
+    if taken.get("rollout.kv.budget") == "auto":  # the number the run's controller had reached, not its ceiling
+        taken["rollout.kv.budget"], budget_line = controller_budget(cfg.model.path, run, run_cfg)
     new = _apply(cfg, taken, source)
     always = (LENGTH_CAP[1], "rollout.kv.algorithm")
     changed = [k for k in taken if k in always or _get(new, k) != _get(cfg, k)]
@@ -131,12 +140,36 @@ def take_run_settings(cfg: Config, argv: list[str]) -> tuple[Config, list[str]]:
     if taken:
         note = f"its {same} other rollout.kv.* key(s) equal eval's" if same else ""
         lines.append(f"eval: from the run's config {source}: " + "; ".join(x for x in (", ".join(items), note) if x))
+    if budget_line:
+        lines.append(budget_line)
     kept = {k: v for k, v in kept.items() if k in given or _get(new, k) != v}  # a group set whole: what differs
     if kept:
         lines.append("eval: set on the command line over the run's: "
                      + ", ".join(f"{k}={_show(_get(new, k))} (the run's: {_show(v)})" for k, v in kept.items())
                      + ("; dense, so the run's other rollout.kv.* keys are not taken" if dense else ""))
     return new, lines
+
+
+def controller_budget(model_path: str, run: Path, run_cfg) -> tuple[int, str]:
+    """A `rollout.kv.budget=auto` run's budget for the evaluated weights, and the line that says where it came from:
+    the controller's budget saved with the checkpoint (`kv_budget` in its trainer_state.pt; the budget the run's own
+    evaluation during training used at that step), that of `model.path` when it is a checkpoint, else of the run's
+    last checkpoint (the one its `hf/` was exported after); without one, the controller's ceiling."""
+    from sparserl.actor import checkpoint
+
+    p = Path(model_path).expanduser()
+    ckpt = p if (p / "COMPLETE").exists() else checkpoint.latest(run)
+    state = checkpoint.read_state(ckpt) if ckpt is not None else {}
+    saved = state.get("kv_budget")
+    if saved is not None:
+        budget = int(saved["budget"])
+        return budget, (f"eval: rollout.kv.budget=auto in the run: {budget}, its budget controller's at step "
+                        f"{state.get('step', '?')} (saved in {ckpt / checkpoint.STATE_FILE})")
+    from omegaconf import OmegaConf
+
+    ceiling = int(OmegaConf.select(run_cfg, "rollout.kv.control.ceiling"))
+    where = f"{ckpt} holds no budget controller state" if ckpt is not None else f"{run} has no complete checkpoint"
+    return ceiling, f"eval: rollout.kv.budget=auto in the run, and {where}: the controller's ceiling {ceiling}"
 
 
 def _has(node: Any, key: str) -> bool:

@@ -183,20 +183,24 @@ class DynamicSampling:
     """`collect(first, roll, dense_logprobs)` runs a step's rounds (one, when off); see the module docstring."""
 
     def __init__(self, algo: AlgoConfig, n: int, max_new_tokens: int, target: int, sampler, dp_group, dp_rank: int,
-                 dp_size: int, device) -> None:
+                 dp_size: int, device, score_every_group: bool = False) -> None:
         self.algo, self.n, self.max_new_tokens, self.target = algo, n, max_new_tokens, target
         self.sampler, self.dp_group, self.device = sampler, dp_group, device
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.enabled = algo.dynamic_sampling.enable
         c = algo.correction
         self.judges_correction = self.enabled and c.enable and c.mode == "apply"  # needs logp_old every round
+        # rollout.kv.budget=auto: the controller steers by the tail of every sampled token, so each round's groups
+        # are all scored densely, the ones dropped for tied rewards too (`score_every_group`, set by the trainer).
+        self.scores_every_group = self.enabled and score_every_group
+        self.scores_rounds = self.judges_correction or self.scores_every_group  # each round runs a dense pass
 
     def collect(self, first: StepBatch, roll: Roll, dense_logprobs: DenseLogprobs | None = None) -> StepRollout:
         if not self.enabled:
             r = roll(first, 1)
             return StepRollout(r.samples, None, [(1, first.local_start + g) for g in range(len(r.samples) // self.n)],
                                r.samples, r.metrics, r.stats, {})
-        assert dense_logprobs is not None or not self.judges_correction, "the correction's rejections need logp_old"
+        assert dense_logprobs is not None or not self.scores_rounds, "the rounds' judges need logp_old"
         self._first_groups: list[Group] = []
         rounds: list[Round] = []
         mine: list[Group] = []  # this rank's informative groups, in order
@@ -216,10 +220,12 @@ class DynamicSampling:
         if plan.total:
             groups = self._exchange(mine, plan)
         else:
-            log0(f"dynamic sampling: {informative} informative group(s) in {len(rounds)} round(s), fewer than the "
-                 f"{self.dp_size} data-parallel ranks; the step trains on round 1's groups")
+            signal = ("no group carries a learning signal (tied rewards, or no sample left in the loss): the "
+                      "policy-gradient term is 0 and only the entropy and KL terms move the weights" if informative == 0 else f"fewer than the {self.dp_size} data-parallel ranks")
+            log0(f"dynamic sampling: {informative} informative group(s) in {len(rounds)} round(s), {signal}; the step "
+                 f"trains on round 1's groups as they are")
             groups = self._first_groups
-            if self.judges_correction:  # the groups round 1 did not score: one more dense pass (a collective)
+            if self.scores_rounds:  # the groups round 1 did not score: one more dense pass (a collective)
                 unscored = [g for g in groups if g.logp_old is None]
                 self._score(unscored, dense_logprobs)
         samples = [s for g in groups for s in g.samples]
@@ -246,11 +252,15 @@ class DynamicSampling:
         keep = informative_groups(rewards.view(-1, n), in_loss.view(-1, n), algo.adv_estimator)
         if dense_logprobs is None:
             return [g for g, k in zip(groups, keep.tolist()) if k]
+        if self.scores_every_group:  # the tail's pass over every group, informative or not (one collective)
+            self._score(groups, dense_logprobs)
+        groups = [g for g, k in zip(groups, keep.tolist()) if k]
+        if not self.judges_correction:
+            return groups
         # The correction's rejections, on the reward-informative groups only (the pass is a collective: every rank
         # runs it, with no sequences where it has none).
-        groups = [g for g, k in zip(groups, keep.tolist()) if k]
         picked = [s for g in groups for s in g.samples]
-        batch, logp_old = self._score(groups, dense_logprobs)
+        batch, logp_old = self._scored(groups, dense_logprobs)
         _, decision = explain(algo.correction, logp_old, batch.logp_sparse, batch.mask)
         in_loss = decision.keep.any(-1).cpu()  # (B,) some token survives the correction
         valid = None if algo.correction.rejected_in_baseline else ~(decision.veto | decision.geo).cpu().view(-1, n)
@@ -269,6 +279,18 @@ class DynamicSampling:
         for gi, g in enumerate(groups):
             g.logp_old = [rows[gi * self.n + j, : len(s.response_ids)].clone() for j, s in enumerate(g.samples)]
         return batch, logp_old
+
+    def _scored(self, groups: list[Group], dense_logprobs: DenseLogprobs) -> tuple[TrainBatch, torch.Tensor]:
+        """`_score`, or, where every group was scored already, the batch and log-probs from what they carry."""
+        if not self.scores_every_group:
+            return self._score(groups, dense_logprobs)
+        batch = to_train_batch([s for g in groups for s in g.samples], self.device, mask_overlong=self.algo.overlong.mask)
+        dtype = groups[0].logp_old[0].dtype if groups else torch.float32
+        logp_old = torch.zeros(batch.mask.shape, dtype=dtype)
+        for gi, g in enumerate(groups):
+            for j, row in enumerate(g.logp_old):
+                logp_old[gi * self.n + j, : len(row)] = row
+        return batch, logp_old.to(batch.mask.device)
 
     def _gather_count(self, count: int) -> list[int]:
         if self.dp_size == 1:

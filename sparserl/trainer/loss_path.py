@@ -66,6 +66,9 @@ def fused_old_logprobs(cfg: Config) -> tuple[bool, str]:
     if applying and algo.dynamic_sampling.enable:
         return False, ("algo.dynamic_sampling with the correction applied: groups it rejects whole are dropped before "
                        "the update")
+    if algo.dynamic_sampling.enable and cfg.rollout.kv.budget == "auto":
+        return False, ("algo.dynamic_sampling with rollout.kv.budget=auto: every round's samples are scored densely for "
+                       "the budget controller's tail, the dropped groups' too, and carry their log-probs into the batch")
     if applying and c.is_batch_normalize and (algo.entropy_coef != 0 or (kl_in_loss and not c.apply_to_kl)):
         return False, ("the batch-normalized correction weights scale the policy term but not the KL / entropy terms, "
                        "so one gradient scale cannot apply the normalizer afterwards")

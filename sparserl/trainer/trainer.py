@@ -146,7 +146,7 @@ class Trainer:
         self.timers = Timers(memory=PhasePeaks(info.device))
         self.dynamic = DynamicSampling(cfg.algo, self.params.n, cfg.rollout.max_new_tokens, cfg.trainer.prompts_per_step,
                                        self.sampler, actor.dp_group, self.mesh["dp"].get_local_rank(), self.dims.dp,
-                                       info.device)
+                                       info.device, score_every_group=cfg.rollout.kv.budget == "auto")
         self.rescue = Rescue(cfg.algo, self.params.n, actor.dp_group, info.device)  # algo.correction.rescue
         self.draws: dict[int, StepBatch] = {}  # the step's rounds' prompts by round: the rescue finds a group's prompt there
 
@@ -163,7 +163,7 @@ class Trainer:
         # trainer.prompts_per_step groups with a learning signal (this rank's share of them in `samples`).
         self.engine.wake(fresh_stats=True)
         step_rollout = self.dynamic.collect(first, partial(self.roll_out, step),
-                                            self.dense_logprobs if self.dynamic.judges_correction else None)
+                                            self.dense_logprobs if self.dynamic.scores_rounds else None)
         samples = step_rollout.samples
 
         # 2: the engine sleeps, giving the KV memory back for training.
@@ -206,8 +206,8 @@ class Trainer:
         with timers("weight_sync"):
             self.engine.sync()
 
-        # 8: logged samples (a few sequences token by token, with the logp_old the update used), metrics, the
-        # evaluation when due, and the next step's KV budget.
+        # 8: logged samples (a few sequences token by token, with the logp_old the update used), metrics, the next
+        # step's KV budget, and the evaluation when due.
         if self.sample_log.enabled:
             with timers("log_samples"):
                 self.sample_log.log(step, samples, batch, correction_metrics.get("correction/norm_factor", 1.0),
@@ -217,15 +217,17 @@ class Trainer:
                        | actor_metrics)
         metrics.update(self.sampled.metrics(dist_reduce_sum(actor.dp_group), self.info.device))
         metrics.update(memory_metrics(self.info.device, actor.dp_group))
-        metrics.update(self.evals.maybe(step, self._is_last(step)))
+        # The next step's KV budget before the evaluation: it evaluates the updated weights at the budget a checkpoint
+        # of this step saves, which is what `python -m sparserl.eval` of the checkpoint takes (eval/run_settings.py).
         self._steer_budget(metrics)
+        metrics.update(self.evals.maybe(step, self._is_last(step)))
         return metrics
 
     def roll_out(self, step: int, draw: StepBatch, round_: int) -> Round:
         """One rollout round of `step`: the replica group's owner runs the engine and the env loop, its peers receive
         its samples, rollout metrics and engine stats, so the group trains on one batch whatever the env does per
         process."""
-        if round_ > 1 and self.dynamic.judges_correction:  # the last round's dense pass put the engine to sleep
+        if round_ > 1 and self.dynamic.scores_rounds:  # the last round's dense pass put the engine to sleep
             self.engine.wake_again(self.timers("weight_sync"))
         self.draws[round_] = draw
 
@@ -265,7 +267,8 @@ class Trainer:
         self.engine.sleep()
         with self.timers("old_logprobs"), reuse_heap():
             logp_old = self.actor.logprobs(batch)
-        self.sampled.add_batch(logp_old, batch)
+        if logp_old is not None:  # None: no rank had a sequence to score (a round with no reward signal anywhere)
+            self.sampled.add_batch(logp_old, batch)
         return logp_old
 
     def _prompts(self, indices: list[int]) -> tuple[list, list[str]]:

@@ -63,3 +63,34 @@ def test_resume_in_the_middle_matches_the_uninterrupted_run(tiny_checkpoint, tas
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
     assert_same_run(full, parted)
+
+
+ZERO_ENV = '''
+max_turns = 1
+
+async def step(state, action, extra_info):
+    return {"next_state": None, "reward": 0.0, "done": True, "extra_info": extra_info}
+'''
+
+
+def test_no_group_with_a_signal_under_the_applied_correction(tiny_checkpoint, task, tmp_path):
+    """Every reward 0 (a hard task at its start): no rank has an informative group in any round, so the step falls back
+    to round 1's groups, none of which round 1 scored densely. The fallback's dense pass plans no micro-batch on any
+    rank; the step must still train (on no reward signal: the advantages are 0, the entropy bonus is the gradient)
+    and say so, not crash (a crash would recur at every resume, as the round's draw is keyed)."""
+    data, _ = task
+    env = tmp_path / "zero_env.py"
+    env.write_text(ZERO_ENV)
+    out = tmp_path / "zero"
+    res = trainer(_args(tiny_checkpoint, data, env, out, **{"trainer.total_steps": 2,
+                                                            "algo.dynamic_sampling.max_rounds": 2,
+                                                            "algo.overlong.penalty": 0.0}), nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    log = res.stdout + res.stderr
+    assert "no group carries a learning signal" in log, log[-3000:]
+    rows = read_metrics(out)
+    assert [m["step"] for m in rows] == [1, 2]
+    for m in rows:
+        assert m["reward/mean"] == 0.0 and m["dynamic/rounds"] == 2 and m["dynamic/target_reached"] == 0.0
+        assert m["dynamic/groups"] == 4.0  # round 1's groups, as they are
+        assert m["sampler/seqs"] > 0  # the fallback's dense pass scored them: the sampler tail sees them

@@ -111,3 +111,52 @@ def test_a_dense_command_line_takes_none_of_the_runs_kv_keys(tmp_path):
     assert cfg.eval.max_new_tokens == 40
     assert len(said) == 2 and "eval.max_new_tokens=40" in said[0] and "rollout.kv" not in said[0]
     assert "rollout.kv.algorithm=none (the run's: rkv)" in said[1] and "not taken" in said[1]
+
+
+def _auto_run(root: Path, steps_saved: dict[int, int | None]) -> Path:
+    """An auto-budget run's folder: config.yaml and, per step, a complete checkpoint whose trainer_state.pt holds the
+    budget controller's state as the trainer saves it (`kv_budget`), or none (None)."""
+    import torch
+
+    from sparserl.actor.checkpoint import STATE_FILE, checkpoint_dir
+
+    run = root / "run"
+    (run / "hf").mkdir(parents=True)  # the export, whose weights the last checkpoint holds (none needed here)
+    (run / "config.yaml").write_text(to_yaml(load_config(["+preset=sparse_rl", "rollout.kv.budget=auto",
+                                                          "rollout.kv.control.ceiling=256"])))
+    for step, budget in steps_saved.items():
+        ckpt = checkpoint_dir(run, step)
+        ckpt.mkdir(parents=True)
+        state = {"step": step} | ({"kv_budget": {"budget": budget, "calm": 0}} if budget is not None else {})
+        torch.save(state, ckpt / STATE_FILE)
+        (ckpt / "COMPLETE").write_text("")
+    return run
+
+
+def test_an_auto_budget_run_is_evaluated_at_its_controllers_saved_budget(tmp_path):
+    """Not the ceiling: the budget the controller had reached, from the checkpoint of the evaluated weights (the last
+    one for the run folder or hf/), said in a line; the config eval.json records holds the number."""
+    from sparserl.eval.run_settings import take_run_settings
+
+    run = _auto_run(tmp_path, {2: 160, 4: 96})
+    for model, want, step in ((run, 96, 4), (run / "hf", 96, 4), (run / "checkpoints" / "step_000002", 160, 2)):
+        argv = [f"model.path={model}"]
+        cfg, said = take_run_settings(load_config(argv, "eval"), argv)
+        assert cfg.rollout.kv.budget == want and cfg.rollout.kv.algorithm == "rkv", (model, cfg.rollout.kv)
+        line = [s for s in said if "rollout.kv.budget=auto" in s]
+        assert len(line) == 1 and f"{want}, its budget controller's at step {step}" in line[0], said
+    argv = [f"model.path={run}", "rollout.kv.budget=64"]  # the command line still wins
+    cfg, said = take_run_settings(load_config(argv, "eval"), argv)
+    assert cfg.rollout.kv.budget == 64 and not any("auto in the run" in s for s in said), said
+
+
+def test_an_auto_budget_run_without_a_saved_budget_says_it_takes_the_ceiling(tmp_path):
+    from sparserl.eval.run_settings import take_run_settings
+
+    for name, saved in (("none", {}), ("stateless", {3: None})):
+        run = _auto_run(tmp_path / name, saved)
+        argv = [f"model.path={run}"]
+        cfg, said = take_run_settings(load_config(argv, "eval"), argv)
+        assert cfg.rollout.kv.budget == 256, cfg.rollout.kv
+        assert any("the controller's ceiling 256" in s for s in said), said
+

@@ -79,3 +79,33 @@ def test_the_budget_controller_reads_the_sampler_s_tail_before_dynamic_sampling_
     assert any(m["sampler/rejected_seq_frac"] > 0 for m in metrics), "nothing rejected: the filters never mattered"
     assert any(m["dynamic/prompts_drawn"] > m["dynamic/groups"] for m in metrics), "no group was dropped"
     assert trained_differs, "the trained batch's tail equals the sampler's on every step: the test cannot tell them apart"
+
+
+@pytest.mark.parametrize("mode", ["off", "measure"])
+def test_with_an_auto_budget_every_sampled_sequence_reaches_the_tail(tiny_checkpoint, tmp_path, mode):
+    """rollout.kv.budget=auto under dynamic sampling with the correction off or measuring: the groups dropped for tied
+    rewards get a dense pass too, so `sampler/*` (what the controller steers by) counts every sampled sequence of
+    every round, not only the trained batch's, and reads another tail than `mismatch/*` where groups were dropped."""
+    from tests.e2e.test_trainer import trainer
+
+    # Half the prompts pay 0 whatever the answer (their groups tie and are dropped), the others the answer's parity.
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?" + (" (tied)" if a % 2 else "")}],
+             "answer": str(a + b)} for a, b in [(1, 1), (2, 3), (4, 4), (5, 1), (3, 3), (6, 2), (7, 1), (2, 2)]]
+    data, env = write_data(tmp_path / "train.jsonl", rows), tmp_path / "env.py"
+    env.write_text(PARITY_ENV.replace("r = float(", "r = 0.0 if '(tied)' in state else float("))
+    out = tmp_path / "run"
+    correction = {"algo.correction.enable": "false"} if mode == "off" else {"algo.correction.enable": "true",
+                                                                             "algo.correction.mode": "measure"}
+    res = trainer(tiny_args(tiny_checkpoint, data, env, out, steps=2, **{
+        "algo.dynamic_sampling.enable": "true", "algo.dynamic_sampling.max_rounds": 2, "rollout.n": 4,
+        "rollout.max_new_tokens": 12, "rollout.kv.algorithm": "rkv", "rollout.kv.budget": "auto",
+        "rollout.kv.window": 2, "rollout.kv.divide_length": 4, "rollout.kv.compress_prompt": "true",
+        "trainer.export_hf": "false", **correction, **{f"rollout.kv.control.{k}": v for k, v in CONTROL.items()}}),
+        nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = read_metrics(out)
+    for m in metrics:
+        assert m["sampler/seqs"] == 4 * m["dynamic/prompts_drawn"], (m["step"], m["sampler/seqs"], m["dynamic/groups"])
+        assert m["kv/budget_tail"] == m["sampler/xi_p05"]
+    assert any(m["dynamic/prompts_drawn"] > m["dynamic/groups"] for m in metrics), "no group was dropped"
+    assert "every round's samples are scored densely" in res.stdout + res.stderr  # the separate pass, said why

@@ -29,7 +29,7 @@ def tiny_args(ckpt, out, **extra):
 
 def test_sft_on_env_examples_exports_a_loadable_policy(tiny_checkpoint, tmp_path):
     out = tmp_path / "sft"
-    res = sft(tiny_args(tiny_checkpoint, out))
+    res = sft(tiny_args(tiny_checkpoint, out, **{"rollout.max_new_tokens": 7}))
     assert res.returncode == 0, res.stderr[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
@@ -44,6 +44,24 @@ def test_sft_on_env_examples_exports_a_loadable_policy(tiny_checkpoint, tmp_path
     diffs = [(a - b).abs().max().item() for a, b in zip(trained.state_dict().values(), initial.state_dict().values())]
     assert max(diffs) > 0, "the exported policy is the initial one"
     assert (out / "hf" / "tokenizer.json").exists() and (out / "config.yaml").exists()
+    assert_eval_takes_no_sampling_setting(out)
+
+
+def assert_eval_takes_no_sampling_setting(out: Path) -> None:
+    """The run's config.yaml has the GRPO keys it never used (rollout.max_new_tokens=7 here): the evaluation of its
+    folder samples with eval's own length cap, and says why."""
+    from sparserl.config.load import load_config
+    from sparserl.eval.run_settings import take_run_settings
+
+    argv = [f"model.path={out / 'hf'}", "eval.max_new_tokens=200"]
+    cfg, said = take_run_settings(load_config(argv, "eval"), argv)
+    assert cfg.eval.max_new_tokens == 200 and cfg.rollout.kv.algorithm == "none", cfg.eval
+    assert len(said) == 1 and "an SFT run's config: it sampled nothing" in said[0], said
+    # The same folder as a GRPO run's (the first line gone) would hand its unused length cap to eval.
+    text = (out / "config.yaml").read_text()
+    (out / "config.yaml").write_text(text.split("\n", 1)[1])
+    cfg, _ = take_run_settings(load_config(argv[:1], "eval"), argv[:1])
+    assert cfg.eval.max_new_tokens == 7
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import pytest
 
 from tests.e2e.test_trainer import ROOT, read_metrics, trainer, write_data
 from tests.launch import command
+from tests.metric_reads import differences, tolerance
 
 RANK_ENV = '''
 import json
@@ -50,8 +51,8 @@ COMPARED = ("reward/mean", "reward/std", "score/mean", "env/turns_mean", "respon
 REL = 1e-4
 
 
-def close(a: float, b: float) -> bool:
-    return abs(a - b) <= REL * max(abs(a), abs(b)) + 1e-6
+def close(a: float, b: float, rel: float = REL) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b)) + 1e-6
 
 
 def env_calls(folder: Path) -> dict[str, list[str]]:
@@ -104,11 +105,8 @@ def test_tp_peers_train_on_the_owners_samples(tiny_checkpoint, one_process, tmp_
     for ref, got in zip(ref_metrics, tp_metrics):
         keys = [k for k in ref if k in COMPARED or k.startswith("eval/probe/")]
         assert keys and set(keys) <= set(got), (keys, sorted(got))
-        bad = {k: (ref[k], got[k]) for k in keys if not close(ref[k], got[k])}
+        bad = {k: (ref[k], got[k]) for k in keys if not close(ref[k], got[k], tolerance(k, REL))}
         assert not bad, f"step {ref['step']}: dp={dp} tp={tp} differs from one process (one, tp): {bad}"
-
-
-XI_BIN = 3e-3  # one bin of the log-xi histogram the xi quantiles come from (as in tests/e2e/test_golden.py)
 
 
 def is_clock_or_memory(key: str) -> bool:
@@ -118,8 +116,8 @@ def is_clock_or_memory(key: str) -> bool:
 def test_context_parallel_run_equals_one_process(tiny_checkpoint, one_process, tmp_path):
     """parallel.cp=2: the two processes are one DP rank whose sequences are split over both (ring attention); the
     owner rolls out and runs the env, its cp peer trains on the same samples. Every metric of the run, training and
-    evaluation, equals the one-process run's to 1e-5 (the ring sums attention in another order), the xi quantiles
-    to one bin of the histogram they are read from."""
+    evaluation, equals the one-process run's to 1e-5 (the ring sums attention in another order), the histogram reads
+    (tests/metric_reads.py: every xi quantile, mismatch/ and sampler/ alike) to one bin of their histogram."""
     ref_metrics, ref_calls = one_process
     cp_metrics, cp_calls = run(tiny_checkpoint, tmp_path, "cp", nproc=2, tp=1, cp=2)
     assert list(cp_calls) == ["rank0"], f"a cp peer ran the env itself: {sorted(cp_calls)}"
@@ -132,8 +130,7 @@ def test_context_parallel_run_equals_one_process(tiny_checkpoint, one_process, t
         missing = set(keys) - set(got)
         assert not missing, missing
         # The xi quantiles are read off a histogram of log-xi: a last-bit change may move one across a bin edge.
-        tol = {k: XI_BIN if k.startswith("mismatch/xi_p") else 1e-5 for k in keys}
-        bad = {k: (ref[k], got[k]) for k in keys if abs(ref[k] - got[k]) > tol[k] * max(abs(ref[k]), abs(got[k]), 1.0)}
+        bad = differences(ref, got, keys, rel=1e-5)
         assert not bad, f"step {ref['step']}: cp=2 differs from one process (one, cp): {bad}"
     assert set(COMPARED) <= compared and any(k.startswith("mismatch/") for k in compared), sorted(compared)
 

@@ -175,6 +175,14 @@ def test_auto_kv_budget_follows_the_tail_and_resumes(tiny_checkpoint, task, tmp_
         assert m["kv/budget"] == ctrl.budget and m["kv/compressions"] > 0
         ctrl.update(m["sampler/xi_p05"])
     assert len({m["kv/budget"] for m in metrics}) > 1, "the budget never moved: pick a target the tiny model crosses"
+    # `python -m sparserl.eval` of the finished run samples at the controller's budget after the last step (saved with
+    # its checkpoint), not at the ceiling.
+    from sparserl.config.load import load_config
+    from sparserl.eval.run_settings import take_run_settings
+
+    argv = [f"model.path={full / 'hf'}"]
+    evaluated, _ = take_run_settings(load_config(argv, "eval"), argv)
+    assert evaluated.rollout.kv.budget == saved_state(full, 3)["kv_budget"]["budget"] == ctrl.budget
     res = trainer(tiny_args(tiny_checkpoint, data, env, cut, steps=3, **kv, **{"trainer.stop_after": 2}))
     assert res.returncode == 0, res.stderr[-3000:]
     res = trainer(tiny_args(tiny_checkpoint, data, env, cut, steps=3, **kv, **{"trainer.resume": "auto"}))

@@ -55,7 +55,7 @@ def test_fp32_rollouts_match_the_actor_before_and_after_a_weight_sync(tiny_check
     assert pool and int(pool[1]) > 0 and int(pool[2]) > 0, proc.stdout[-2000:]
     # Every logged value but the timings, bitwise (tests/golden); the sampler's log-probs only to 1e-6: SGLang
     # batches the requests as they arrive, so their last bits vary from run to run (the sampled tokens do not).
-    golden.check("sglang_tiny_fp32", rows, near=("mismatch/", "sampler/"), coarse=("mismatch/xi_p", "sampler/xi_p"))
+    golden.check("sglang_tiny_fp32", rows, near=("mismatch/", "sampler/"))
 
 
 @pytest.mark.slow
