@@ -36,7 +36,7 @@ FREE = ("model.path", "model.activation_checkpointing", "model.allow_pickle_weig
         "rollout.sglang.attention_backend", "rollout.sglang.memory_saver", "rollout.sglang.log_level",
         "actor.balance_ranks", "actor.fuse_old_logprobs", "actor.share_prompts", "actor.skip_zero_advantage", "algo.correction.enable", "algo.correction.is_batch_normalize",
         "algo.correction.apply_to_kl", "algo.correction.rejected_in_baseline",
-        "actor.lora.export_merged", "algo.dynamic_sampling.enable", "algo.overlong.mask", "trainer.export_hf", "eval.datasets",
+        "actor.lora.export_merged", "algo.dynamic_sampling.enable", "algo.overlong.mask", "trainer.export_hf", "trainer.overwrite", "eval.datasets",
         "eval.data_dir", "eval.output_dir", "logger.progress", "logger.wandb.name")
 
 

@@ -117,8 +117,29 @@ class SGLangConfig:
     log_level: str = opt("error", "the SGLang engine's own log level (error, warning, info, debug)")
 
 
+def _decode_cache_or_graphs(r: Any, p: str) -> None:
+    if r.decode_cache == "on" and r.cuda_graphs == "on":
+        raise ConfigError(f"{p}.decode_cache=on with {p}.cuda_graphs=on: the captured decode step attends over the "
+                          f"pool through its own static buffers and keeps no decode cache; set one of them to off or "
+                          f"auto")
+
+
+def _one_pool_size(r: Any, p: str) -> None:
+    if parse_kv_memory(r.kv_memory).is_set and r.kv_pool_tokens > 0:
+        raise ConfigError(f"{p}.kv_memory={r.kv_memory} and {p}.kv_pool_tokens={r.kv_pool_tokens} both size the KV pool; "
+                          f"give one ({p}.kv_memory in bytes, or {p}.kv_pool_tokens in entries)")
+
+
+def _admission_engine(r: Any, p: str) -> None:
+    if r.admission == "reserve" and r.engine != "native":
+        raise ConfigError(f"{p}.admission=reserve with {p}.engine={r.engine}: worst-case reservation is the native "
+                          f"engine's; SGLang's scheduler admits optimistically (use {p}.admission=optimistic)")
+
+
 @dataclass
 class RolloutConfig:
+    RELATIONS: ClassVar[tuple] = (_decode_cache_or_graphs, _one_pool_size, _admission_engine)
+
     engine: str = opt("native", "native | sglang", choices=("native", "sglang"))
     n: int = opt(8, "samples per prompt (one GRPO group)", rule=COUNT)
     max_new_tokens: int = opt(48, "response length cap per turn", rule=COUNT)
@@ -259,14 +280,28 @@ class ParallelConfig:
     device: str = opt("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
 
 
+def _overwrite_starts_over(t: Any, p: str) -> None:
+    if t.overwrite and t.resume != "none":
+        raise ConfigError(f"{p}.overwrite=true starts the run over, but {p}.resume={t.resume} continues one; "
+                          "set one of them")
+
+
 @dataclass
 class TrainerConfig:
+    RELATIONS: ClassVar[tuple] = (_overwrite_starts_over,)
+
     total_steps: int = opt(30, "training steps (one rollout each)", rule=COUNT)
     prompts_per_step: int = opt(16, "global, across data-parallel ranks", rule=COUNT)
-    output_dir: str = opt("outputs/grpo", "config.yaml, metrics.jsonl, checkpoints/, hf/", rule=NON_EMPTY)
+    output_dir: str = opt("auto", "the run's folder: config.yaml, metrics.jsonl, checkpoints/, hf/; auto = a new "
+                                  "folder per run, outputs/grpo/<date-time> (SFT: outputs/sft/...), with "
+                                  "outputs/grpo/latest pointing to the newest; a named folder that holds a run is "
+                                  "refused unless resuming or trainer.overwrite=true", rule=NON_EMPTY)
+    overwrite: bool = opt(False, "start over in a trainer.output_dir that holds another run, removing its files "
+                                 "(metrics, samples, checkpoints, hf/) first")
     save_every: int = opt(10, "checkpoint every this many steps (and at the end, and when preempted): a crash "
                               "loses at most this many; 0 = only at the end", rule=NON_NEG)
-    resume: str = opt("none", "none | auto | <checkpoint folder>",
+    resume: str = opt("none", "none | auto (the newest checkpoint of trainer.output_dir; with output_dir=auto, of "
+                              "the newest run) | <checkpoint folder>",
                       rule=Rule(lambda v: isinstance(v, str) and v.strip() != "", "none, auto or a checkpoint folder",
                            ("none", "auto")))
     seed: int = opt(0, "seeds sampling and prompt shuffling", rule=NON_NEG)

@@ -5,7 +5,9 @@ can get wrong that the config alone does not show, found before torch is importe
 enums, keys that must agree) has run by then, in sparserl/config/, and none is repeated here. What is
 left is what needs the machine: SGLang installed with its plugins (rollout.engine=sglang), peft for LoRA actors
 (actor.lora.rank > 0, which also refuses adapter dropout with parallel.tp > 1), `trainer.output_dir`
-(a folder this process can write, or can create; it is not created here), `trainer.resume`, the env module,
+(a folder this process can write, or can create; it is not created here; a named one that holds a run only with
+`trainer.resume` or `trainer.overwrite=true`; `auto`: the folder its run folder will be made in), `trainer.resume`,
+the env module,
 every data row, the eval sets of `trainer.eval_every`, and last the model path (the one check that imports
 torch): not a LoRA adapter folder (those are evaluated, `python -m sparserl.eval`), safetensors weights
 (pickle files only with `model.allow_pickle_weights=true`) and free disk for one checkpoint in `trainer.output_dir`
@@ -27,6 +29,8 @@ from sparserl.config import Config
 from sparserl.data.dataset import PromptRow, load_prompts, rows_from_records
 from sparserl.eval.datasets import EvalSet, load_eval_sets
 from sparserl.engine_options.checks import check_engine
+from sparserl.trainer.run_dir import AUTO, GRPO_ROOT
+from sparserl.utils import runs
 from sparserl.utils.envload import EnvModule, load_env
 from sparserl.utils.errors import UserError
 
@@ -40,11 +44,11 @@ class Inputs:
     openreward: Any = None  # OpenRewardEnvs (sparserl/rollout/openreward/), when env.openreward.envs is set
 
 
-def validate_inputs(cfg: Config) -> Inputs:
+def validate_inputs(cfg: Config, runs_root: str = GRPO_ROOT) -> Inputs:
     check_world(cfg)
     check_engine(cfg)
     check_lora(cfg)
-    check_output_dir(cfg.trainer.output_dir)
+    check_output(cfg, runs_root)
     check_resume(cfg.trainer.resume)
     openreward = bool(cfg.env.openreward.envs)
     env = None if openreward else checked_env(cfg.env.path)
@@ -71,7 +75,7 @@ def validate_inputs(cfg: Config) -> Inputs:
     model_path = resolve_model_path(cfg.model.path)
     check_weight_files(model_path, cfg.model.allow_pickle_weights)
     if cfg.actor.lora.rank <= 0:  # a LoRA checkpoint holds the adapters only
-        check_free_disk(cfg.trainer.output_dir, model_path)
+        check_free_disk(output_folder(cfg, runs_root), model_path)
     envs = checked_openreward(cfg) if openreward else None
     return Inputs(env=env, rows=rows, model_path=model_path, eval_sets=eval_sets, openreward=envs)
 
@@ -193,6 +197,28 @@ def check_output_dir(path: str, key: str = "trainer.output_dir") -> None:
     except OSError as e:
         where = "the folder is not writable" if existing == target else f"cannot create a folder in {existing}"
         raise UserError(f"{key}={path}: {where} ({e.strerror}); choose a folder you can write") from None
+
+
+def output_folder(cfg: Config, runs_root: str) -> str:
+    """The folder the run will write to, or with `trainer.output_dir=auto` the one its folder will be made in."""
+    return runs_root if cfg.trainer.output_dir == AUTO else cfg.trainer.output_dir
+
+
+def check_output(cfg: Config, runs_root: str = GRPO_ROOT) -> None:
+    """A folder that can be written (trainer/run_dir.py makes it once the processes are up); a named one that holds
+    another run only when resuming it or told to start over."""
+    t = cfg.trainer
+    if t.output_dir == AUTO:
+        try:
+            check_output_dir(runs_root)
+        except UserError as e:  # worded for the folder the runs go in
+            raise UserError(f"trainer.output_dir=auto makes a folder in {runs_root}, but " + str(e).split(": ", 1)[1]) from None
+        return
+    check_output_dir(t.output_dir)
+    if t.resume == "none" and not t.overwrite and runs.holds_run(t.output_dir):
+        raise UserError(f"trainer.output_dir={t.output_dir} holds a run already ({runs.contents(t.output_dir).describe()}); "
+                        "continue it with trainer.resume=auto, start over with trainer.overwrite=true, or leave "
+                        f"trainer.output_dir unset for a new folder under {runs_root}/")
 
 
 def check_resume(resume: str) -> None:

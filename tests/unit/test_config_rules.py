@@ -72,3 +72,53 @@ def test_pickle_weights_need_opt_in_and_a_full_disk_is_refused(tmp_path):
     with pytest.raises(UserError, match=r"trainer.output_dir=.*GiB free on its disk, but one checkpoint of this model takes about 49152.00 GiB"):
         check_free_disk(str(tmp_path / "run"), str(huge))
     check_free_disk(str(tmp_path / "run"), str(pickled))  # no safetensors: no estimate, no refusal
+
+
+def test_decode_cache_and_cuda_graphs_both_on_is_a_config_error():
+    """The captured decode step keeps no decode cache: asking for both is refused with the two keys named."""
+    from sparserl.config.fields import ConfigError
+    from sparserl.config.load import load_config
+
+    with pytest.raises(ConfigError, match="rollout.decode_cache=on with rollout.cuda_graphs=on"):
+        load_config(["rollout.decode_cache=on", "rollout.cuda_graphs=on"])
+    for graphs in ("auto", "off"):
+        assert load_config(["rollout.decode_cache=on", f"rollout.cuda_graphs={graphs}"]).rollout.decode_cache == "on"
+
+
+def test_an_engine_with_graphs_says_it_does_not_use_an_asked_for_decode_cache(capsys):
+    """Where graphs resolve on with the decode cache asked for (cuda_graphs=auto on CUDA; `on` here, the eager replay
+    on CPU), the engine says in one line that it keeps no decode cache, and keeps none."""
+    from sparserl.engines.native.engine import NativeEngine
+    from tests.conftest import tiny_model
+
+    engine = NativeEngine(tiny_model("llama"), num_slots=64, eos_token_ids=[], cuda_graphs="on", decode_cache="on")
+    said = [line for line in capsys.readouterr().out.splitlines() if "rollout.decode_cache=on is not used" in line]
+    assert len(said) == 1 and not engine.runner.use_decode_cache
+    NativeEngine(tiny_model("llama"), num_slots=64, eos_token_ids=[], cuda_graphs="off", decode_cache="on")
+    assert "decode_cache" not in capsys.readouterr().out
+
+
+def test_the_disk_check_counts_every_checkpoint_the_run_holds_at_once_and_the_export(tmp_path):
+    """With checkpoints on by default a run holds trainer.keep_last of them plus the one being written, and hf/: a
+    disk with room for one checkpoint but not for those is refused, naming trainer.keep_last."""
+    import shutil
+
+    from sparserl.trainer.preflight import check_free_disk, checkpoint_bytes, checkpoints_held
+    from sparserl.utils.errors import UserError
+
+    assert checkpoints_held(total_steps=30, save_every=10, keep_last=3) == 4  # steps 10, 20, 30: 3 kept + 1 written
+    assert checkpoints_held(total_steps=100, save_every=10, keep_last=3) == 4
+    assert checkpoints_held(total_steps=100, save_every=10, keep_last=0) == 11  # 0 keeps them all (and the end's)
+    assert checkpoints_held(total_steps=30, save_every=0, keep_last=3) == 1  # only at the end
+    assert checkpoints_held(total_steps=5, save_every=10, keep_last=3) == 1
+    free = shutil.disk_usage(tmp_path).free
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    with open(model / "model.safetensors", "wb") as f:
+        f.truncate(free // 12)  # sparse: takes no space; one checkpoint of it is about half the free space
+    assert checkpoint_bytes(str(model)) <= free // 2 + 16
+    check_free_disk(str(tmp_path / "run"), str(model))  # one checkpoint fits
+    with pytest.raises(UserError, match=r"holds up to 4 checkpoints at once .* and its hf/ export .*lower "
+                                        r"trainer.keep_last"):
+        check_free_disk(str(tmp_path / "run"), str(model), checkpoints=4, export_hf=True)

@@ -48,6 +48,7 @@ from sparserl.engines.native.sessions import SessionTable, check_extends, choose
 from sparserl.engines.native.slot_pool import SlotPool
 from sparserl.engines.native.outputs import default_eos, finish_reason, to_generation
 from sparserl.engines.types import Generation, GenerationRequest
+from sparserl.utils.logging import log0
 
 
 @dataclass
@@ -75,7 +76,10 @@ class NativeEngine:
         # True: sleep() also drops the weights (the actor pushes fresh ones after every update anyway).
         self.release_weights = o.release_weights
         param = next(model.parameters())
-        graphs = resolve_cuda_graphs(o.cuda_graphs, param.device)  # the static decode step keeps no decode cache
+        graphs = resolve_cuda_graphs(o.cuda_graphs, param.device, model)  # the static decode step keeps no decode cache
+        if graphs and o.decode_cache == "on":  # cuda_graphs=auto on CUDA (both on is a config error)
+            log0("rollout.decode_cache=on is not used: the captured decode step (rollout.cuda_graphs=auto on CUDA) keeps "
+                 "its own static buffers; rollout.cuda_graphs=off for the decode cache")
         self.runner = ModelRunner(model, o.num_slots, o.quantization, o.quant_kernel, o.quantize_lm_head,
                                   resolve_decode_cache(o.decode_cache, param.device) and not graphs,
                                   resolve_prepack(o.prepack, param.device, param.dtype, o.quantization),
