@@ -1,7 +1,8 @@
 """`python -m sparserl.eval key=value ...` (or `torchrun --nproc_per_node=N -m sparserl.eval ...`): evaluate a
 model on eval sets with the rollout engine, dense or with `rollout.kv.*` compression.
 
-Reads `configs/eval.yaml` over the same schema as training; a training run's folder (or its `hf/` or a checkpoint)
+Reads `configs/eval.yaml` over the same schema as training; a training run's folder (or its `hf/` or a checkpoint;
+a folder of runs such as `outputs/grpo` stands for its newest run, the one `outputs/grpo/latest` points to)
 is evaluated with the run's length cap and KV settings unless the command line sets them (eval/run_settings.py,
 which prints what it took); checks every input (sets, keys, k <= n, model path, KV settings) before anything is
 written; shards prompts over the processes; rank 0 writes `eval.output_dir/eval.json` and `samples.jsonl` and
@@ -11,6 +12,7 @@ Left out on purpose: serving the model over HTTP, comparing several models in on
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from sparserl.cli import parse_cli
 from sparserl.config import Config
@@ -27,6 +29,7 @@ from sparserl.engine_options.build import build_rollout_engine
 from sparserl.utils.precision import resolve_precision
 from sparserl.utils.errors import run_main
 from sparserl.utils.logging import log0
+from sparserl.utils.runs import follow_latest
 
 
 def pool_slots(cfg: Config, lengths: list[int], seqs_per_rank: int) -> int:
@@ -38,6 +41,10 @@ def pool_slots(cfg: Config, lengths: list[int], seqs_per_rank: int) -> int:
 
 def run(cfg: Config, argv: list[str] | None = None) -> None:
     """`argv`: the command line `cfg` was loaded from; the keys it sets keep their values over a run's."""
+    newest = follow_latest(cfg.model.path)  # a folder of runs (outputs/grpo): the run its `latest` points to
+    if str(newest) != str(Path(cfg.model.path).expanduser()):
+        log0(f"model.path={cfg.model.path}: its newest run, {newest}")
+        cfg.model.path = str(newest)
     cfg, taken = take_run_settings(cfg, list(sys.argv[1:] if argv is None else argv))
     for line in taken:
         log0(line)

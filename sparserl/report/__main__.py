@@ -10,7 +10,8 @@ from sparserl.utils.errors import UserError, run_main
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m sparserl.report",
                                      description="Write one self-contained HTML report (curves + sample viewer) of a run.")
-    parser.add_argument("run_dir", help="a run's trainer.output_dir (holds metrics.jsonl, samples/)")
+    parser.add_argument("run_dir", help="a run's trainer.output_dir (holds metrics.jsonl, samples/), or a folder of "
+                                        "runs such as outputs/grpo (its newest run, the one its latest points to)")
     parser.add_argument("--out", default=None, help="where to write the page (default: RUN_DIR/report.html)")
     parser.add_argument("--max-steps", type=int, default=40,
                         help="logged steps put on the page, evenly spaced when there are more (default: 40)")

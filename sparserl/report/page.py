@@ -19,6 +19,7 @@ import yaml
 
 from sparserl.report.curves import curves_svg, read_metrics
 from sparserl.utils.errors import UserError
+from sparserl.utils.runs import follow_latest
 
 ASSETS = Path(__file__).parent
 CONFIG_KEYS = ("model.path", "rollout.n", "rollout.max_new_tokens", "rollout.kv.algorithm", "rollout.kv.budget",
@@ -82,7 +83,7 @@ def _json_for_script(obj) -> str:
 
 def build_report(run_dir: str | Path, out: str | Path | None = None, max_steps: int = 40) -> Path:
     """Write the report of `run_dir` (default `run_dir/report.html`); returns its path."""
-    run = Path(run_dir)
+    run = follow_latest(run_dir)  # a folder of runs (outputs/grpo): its newest run
     metrics_path = run / "metrics.jsonl"
     if not metrics_path.is_file():
         raise UserError(f"{run}: no metrics.jsonl; give the trainer.output_dir of a run")

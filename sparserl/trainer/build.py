@@ -27,6 +27,8 @@ from sparserl.utils.precision import resolve_precision
 from sparserl.trainer.loss import zero_advantage_no_grad
 from sparserl.trainer.preflight import Inputs, validate_inputs
 from sparserl.trainer.resume import apply_saved_settings, record as resume_record, restore_skips
+from sparserl.trainer.run_dir import GRPO_ROOT, resolve_output
+from sparserl.utils.runs import new_run_id, write_run_file
 from sparserl.utils.errors import UserError, one_line
 from sparserl.utils.logging import MetricsLogger, log0
 
@@ -149,11 +151,14 @@ def build_reference(cfg: Config, actor: Actor, model_path: str, mesh, device):
     return build_actor(cfg, model_path, mesh, device, trainable=False)
 
 
-def start_processes(cfg: Config) -> tuple[DistInfo, ParallelDims, object]:
+def start_processes(cfg: Config, runs_root: str = GRPO_ROOT) -> tuple[DistInfo, ParallelDims, object]:
+    """The process group and the mesh; then the run's folder (`trainer.output_dir` set to it on every rank,
+    trainer/run_dir.py) and, when resuming, the checkpoint's settings."""
     info = init_distributed(cfg.parallel.device, cfg.parallel.backend)
     dims = ParallelDims.from_world(info.world_size, cfg.parallel.tp, cfg.parallel.cp)
     if cfg.trainer.prompts_per_step % dims.dp:
         raise UserError(f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} must be divisible by the data-parallel size {dims.dp}")
+    resolve_output(cfg, info.rank, info.world_size, runs_root)
     apply_saved_settings(cfg)  # trainer.resume: settings that cannot change are checked, `auto` precision restored
     resolve_precision(cfg, info.device)
     log0(f"processes: {info.world_size} on {info.device.type} ({info.backend}); dp {dims.dp} x tp {dims.tp} x cp {dims.cp}")
@@ -170,11 +175,13 @@ def prompt_sampler(cfg: Config, task: TaskEnv, mesh) -> PromptSampler | MixtureS
                          cfg.data.shuffle)
 
 
-def open_output(cfg: Config, rank: int, tokenizer_loaded) -> MetricsLogger:
+def open_output(cfg: Config, rank: int, tokenizer_loaded, run_id: str | None = None) -> MetricsLogger:
+    """The run folder's config.yaml and run.json (rank 0), and the metrics logger."""
     out = Path(cfg.trainer.output_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(to_yaml(cfg))
+        write_run_file(out, run_id or new_run_id())
     log0(f"output: {out.resolve()}")
     return MetricsLogger(out, rank, to_dict(cfg), cfg.logger.wandb.mode, cfg.logger.wandb.project, cfg.logger.wandb.name,
                          total_steps=cfg.trainer.total_steps)

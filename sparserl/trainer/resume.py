@@ -10,6 +10,7 @@ saved state by `register` (trainer/saved_state.py). On resume, before any model 
     that a resumed run, on another machine or a busier one, may answer otherwise; a resume that leaves them at
     `auto` continues with the saved run's dtype. An explicit value wins, and the log says it differs.
   - `consecutive_skips` carries on, so `trainer.max_skipped_steps` counts skipped steps across a resume.
+  - the checkpoint's `run_id` must be the one in `trainer.output_dir/run.json` (trainer/run_dir.py).
 A checkpoint saved before this record existed resumes as it did: nothing checked, `auto` probed, the count at 0.
 
 Left out on purpose: refusing other changes (model.path may move; the learning rate, lengths and sampling are
@@ -20,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sparserl.config import Config
+from sparserl.trainer.run_dir import check_run_id
 from sparserl.trainer.saved_state import SavedState, keep
 from sparserl.utils.errors import UserError
 from sparserl.utils.logging import log0
@@ -131,6 +133,7 @@ def apply_saved_settings(cfg: Config) -> dict | None:
     if path is None:
         return None
     state = checkpoint.read_state(path)
+    check_run_id(cfg, state, path)
     check_settings(cfg, state, path)
     restore_precision(cfg, state, path)
     return state

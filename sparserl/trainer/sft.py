@@ -4,14 +4,16 @@ Same Hydra config as `sparserl.trainer.grpo` (no keys of its own): `model.*` pic
 dtypes, `actor.lr` / `actor.betas` / `actor.weight_decay` / `actor.lr_schedule` / `actor.warmup_steps` /
 `actor.max_grad_norm` the AdamW update, `actor.max_tokens_per_device` the packed micro-batch size, `actor.lora.*`
 LoRA adapters, `model.activation_checkpointing`, `trainer.prompts_per_step` the batch size, `trainer.total_steps` the number of updates,
-`trainer.output_dir` where `metrics.jsonl`, `config.yaml` and the trained policy `hf/` go.
+`trainer.output_dir` where `metrics.jsonl`, `config.yaml` and the trained policy `hf/` go (`auto`, the default: a new
+`outputs/sft/<date-time>/` per run, `outputs/sft/latest` pointing to the newest; a named folder that holds a run
+only with `trainer.overwrite=true`).
 
 Examples come from `data.train_path` (a JSONL file whose rows hold `data.prompt_key`, a string or chat
 messages, and `response`) or, when that is empty, from the env module's `make_sft_examples(num, seed)`
 (`data.num_generated` examples, `trainer.seed`). Prompts are formatted exactly as the GRPO trainer formats
 them (chat template, `data.system_prompt`), the target is the response followed by the tokenizer's EOS,
-and the loss is the mean cross-entropy over target tokens only. `model.path=<output_dir>/hf` then starts
-GRPO from the result.
+and the loss is the mean cross-entropy over target tokens only. `model.path=<output_dir>/hf` (or
+`model.path=outputs/sft/latest/hf`) then starts GRPO from the result.
 
 It trains the GRPO trainer's actor (`actor/actor.py`): packed micro-batches, FSDP2, and under torchrun the same
 `parallel.tp` and `parallel.cp` (one long example split over the cp ranks, ring attention), each DP rank taking
@@ -39,9 +41,12 @@ from sparserl.config import Config, to_dict, to_yaml
 from sparserl.data.dataset import PromptRow, format_prompt
 from sparserl.parallel import all_reduce_sum, teardown
 from sparserl.trainer.build import start_processes
+from sparserl.trainer.preflight import check_output
+from sparserl.trainer.run_dir import SFT_ROOT
 from sparserl.utils.envload import load_env
 from sparserl.utils.errors import UserError, run_main
 from sparserl.utils.memory import reuse_heap
+from sparserl.utils.runs import new_run_id, write_run_file
 from sparserl.utils.logging import MetricsLogger, log0, progress
 from sparserl.utils.seed import set_seed
 
@@ -157,10 +162,11 @@ def train(cfg: Config) -> None:
         raise UserError(f"trainer.total_steps={cfg.trainer.total_steps} must be >= 1")
     if cfg.trainer.prompts_per_step < 1:
         raise UserError(f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} (the SFT batch size) must be >= 1")
+    check_output(cfg, SFT_ROOT)
     records, source = read_examples(cfg)  # user errors surface here, before anything is written
     model_path = resolve_model_path(cfg.model.path)
     set_seed(cfg.trainer.seed)
-    info, dims, mesh = start_processes(cfg)
+    info, dims, mesh = start_processes(cfg, SFT_ROOT)
     tokenizer = load_tokenizer(model_path)
     examples = tokenize_examples(cfg, records, source, tokenizer)
     a = cfg.actor
@@ -176,6 +182,7 @@ def train(cfg: Config) -> None:
     if info.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(to_yaml(cfg))
+        write_run_file(out, new_run_id())
     logger = MetricsLogger(out, info.rank, to_dict(cfg), cfg.logger.wandb.mode, cfg.logger.wandb.project,
                            cfg.logger.wandb.name, console=False, total_steps=cfg.trainer.total_steps)
     logger.truncate_after(-1)

@@ -27,7 +27,7 @@ from sparserl.eval.hook import TrainEval
 from sparserl.kv.budget_control import BudgetController, tail_key, tail_of
 from sparserl.rollout.episode import Sample
 from sparserl.rollout.worker import Rollouts
-from sparserl.trainer import resume
+from sparserl.trainer import resume, run_dir
 from sparserl.trainer.advantages import set_advantages
 from sparserl.trainer.balance import balance_ranks
 from sparserl.trainer.build import (build_actor, build_reference, load_tokenizer, open_output, prompt_sampler,
@@ -69,8 +69,10 @@ class Trainer:
         self._build_engine(inputs.model_path, replica)
         self.step = self.start = 0  # the last step done, and the step the run goes on from (a resumed one's)
         self.saved = self._saved_state()
+        self.resumed_run: str | None = None  # the resumed checkpoint's run id (trainer/run_dir.py)
         self._resume()
-        self.logger = open_output(cfg, self.info.rank, self.tokenizer)
+        self.run_id = run_dir.run_id(cfg, self.resumed_run)
+        self.logger = open_output(cfg, self.info.rank, self.tokenizer, self.run_id)
         self.logger.truncate_after(self.start if self.start else -1)  # a fresh run also drops an old run's step-0 eval row
         self.sample_log = SampleLog(cfg.trainer.output_dir, cfg.trainer.log_samples, self.info.rank, cfg.algo.correction,
                                     self.tokenizer, self.logger.wandb_run)
@@ -84,8 +86,10 @@ class Trainer:
     def _build_engine(self, model_path: str, replica) -> None:
         """The rollout engine behind its handle, the rollout call over it, and the KV budget controller."""
         cfg, info = self.cfg, self.info
-        self.num_slots = pool_slots(cfg, self.task.max_prompt, cfg.trainer.prompts_per_step // self.dims.dp)
-        engine = build_rollout_engine(cfg, model_path, self.tokenizer, info.device, self.num_slots, cfg.trainer.seed)
+        self.num_slots = pool_slots(cfg, self.task.max_prompt, cfg.trainer.prompts_per_step // self.dims.dp, model_path,
+                                    info.device)
+        engine = build_rollout_engine(cfg, model_path, self.tokenizer, info.device, self.num_slots, cfg.trainer.seed,
+                                      SequenceSize(self.task.max_prompt, cfg.rollout.max_new_tokens))
         self.engine = EngineHandle(engine, replica, self.actor.full_state, cfg.rollout.release_weights)
         self.rollouts = Rollouts.from_config(cfg, engine, self.tokenizer, self.task.env, self.params, info.rank,
                                              max_turns=cfg.env.max_turns,
@@ -108,7 +112,11 @@ class Trainer:
         saved.register("tp", lambda: self.dims.tp, keep, optional=True)
         saved.register("cp", lambda: self.dims.cp, keep, optional=True)
         resume.register(saved, self.cfg, self.actor)  # what a resume checks and keeps (trainer/resume.py)
+        saved.register(run_dir.RUN_ID, lambda: self.run_id, self._set_resumed_run, optional=True)
         return saved
+
+    def _set_resumed_run(self, run_id: str) -> None:
+        self.resumed_run = str(run_id)
 
     def _resumed_at(self, step: int) -> None:
         self.step = self.start = int(step)

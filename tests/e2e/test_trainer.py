@@ -55,7 +55,8 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-# What `trainer_state.pt` held before the registry of saved state, in order (kv_budget after sampler when set).
+# What `trainer_state.pt` held before the registry of saved state, in order (kv_budget after sampler when set); the
+# run id (trainer/run_dir.py) comes after them.
 LEGACY_KEYS = ["step", "scheduler", "sampler", "world_size", "tp", "cp", "settings", "consecutive_skips"]
 
 
@@ -127,7 +128,7 @@ def test_resume_matches_uninterrupted_run(tiny_checkpoint, task, tmp_path):
     a, b = read_metrics(full), read_metrics(cut)
     assert [m["step"] for m in b] == [1, 2, 3]
     # The trainer state holds the keys, in the order, checkpoints have always had (trainer/saved_state.py).
-    assert list(saved_state(cut, 2)) == LEGACY_KEYS and saved_state(cut, 2)["step"] == 2
+    assert list(saved_state(cut, 2)) == LEGACY_KEYS + ["run_id"] and saved_state(cut, 2)["step"] == 2
     timing = ("perf/", "mem/", "kv/compress_s")
     for key, value in a[2].items():
         if not key.startswith(timing):
@@ -189,7 +190,7 @@ def test_auto_kv_budget_follows_the_tail_and_resumes(tiny_checkpoint, task, tmp_
     assert res.returncode == 0, res.stderr[-3000:]
     resumed = read_metrics(cut)
     assert [m["step"] for m in resumed] == [1, 2, 3]
-    keys = LEGACY_KEYS[:3] + ["kv_budget"] + LEGACY_KEYS[3:]
+    keys = LEGACY_KEYS[:3] + ["kv_budget"] + LEGACY_KEYS[3:] + ["run_id"]
     assert list(saved_state(cut, 2)) == keys and saved_state(cut, 2)["kv_budget"]["budget"] == metrics[2]["kv/budget"]
     for key, value in metrics[2].items():
         if not key.startswith(("perf/", "mem/", "kv/compress_s")):
