@@ -117,6 +117,7 @@ def sft_command(args, out: Path, data: Path) -> list[str]:
         f"model.path={args.model}", f"env.path={args.env}", f"data.train_path={data}", f"trainer.output_dir={out}",
         f"trainer.total_steps={args.sft_steps}", f"trainer.prompts_per_step={args.sft_batch}", f"actor.lr={args.sft_lr}",
         f"actor.warmup_steps={min(3, args.sft_steps - 1)}", f"trainer.seed={args.seed}",
+        "trainer.overwrite=true",  # called when the warm start is missing or to be redone: a partial one goes
     ]
 
 
@@ -206,6 +207,7 @@ def run_grpo(cmd: list[str], run_dir: Path, steps: int, stamp: Path, log: Path, 
         print(f"\n{run_dir}: already has its {steps} steps from this command; not rerun")
         return None
     stamp.unlink(missing_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # another command's run, or an unfinished one: start over
     took = run(cmd, log)
     stamp.write_text(shlex.join(cmd))
     if not keep_checkpoints:

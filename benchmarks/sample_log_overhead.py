@@ -36,7 +36,7 @@ def main() -> None:
     out = Path(args.out)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            "-m", "sparserl.trainer.grpo", f"trainer.output_dir={out}", f"trainer.total_steps={args.steps}",
-           "trainer.export_hf=false", *args.overrides]
+           "trainer.export_hf=false", "trainer.overwrite=true", *args.overrides]  # a rerun starts over
     print(" ".join(cmd), flush=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SPARSERL_PROGRESS": "0"}
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)

@@ -65,8 +65,8 @@ def main(argv: list[str]) -> int:
     out = Path(argv[0]) if argv and "=" not in argv[0] else ROOT / "outputs" / "features_together"
     extra = [a for a in argv if "=" in a]
     full, parted = out / "full", out / "parted"
-    t_full = run(full, extra)
-    t_cut = run(parted, extra + ["trainer.stop_after=2"])
+    t_full = run(full, extra + ["trainer.overwrite=true"])  # a rerun of this script starts its runs over
+    t_cut = run(parted, extra + ["trainer.stop_after=2", "trainer.overwrite=true"])
     t_resume = run(parted, extra + ["trainer.resume=auto"])
     rows = metrics(full)
     print(f"\nfull run {t_full:.0f} s; stopped after 2 in {t_cut:.0f} s, resumed in {t_resume:.0f} s\n")
