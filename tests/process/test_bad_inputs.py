@@ -65,7 +65,7 @@ CASES = [
     ("output_dir_under_file", ["trainer.output_dir={data}/ok.jsonl/run"], "ok.jsonl is a file"),
     ("resume_missing", ["trainer.resume={data}/no_ckpt"], "trainer.resume={data}/no_ckpt: not a complete"),
     ("unknown_key", ["actor.lrr=1"], "did you mean actor.lr"),
-    ("wrong_type", ["actor.lr=abc"], "actor.lr"),
+    ("wrong_type", ["actor.lr=abc"], "actor.lr=abc: actor.lr wants a number, e.g. actor.lr=5e-06"),
     ("no_equals", ["actor.lr"], "bad override 'actor.lr'"),
     ("unknown_option", ["--verbose"], "unknown option '--verbose'"),
     ("cfg_hydra", ["--cfg", "hydra"], "only --cfg job"),
