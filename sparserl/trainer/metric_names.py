@@ -47,7 +47,11 @@ GROUPS: dict[str, str] = {
     "sampler": ("The sparse sampler's mismatch as it sampled: every sampled token (length-cut ones included) of every "
                 "sequence whose dense log-probs the step computed (each dynamic-sampling round's pass, the logp_old "
                 "pass or the update's forward; not the rescue's dense redraws), before dynamic sampling, the "
-                "correction or the rescue chose what to train on, all ranks (algo/sampler_stats.py)."),
+                "correction or the rescue chose what to train on, all ranks (algo/sampler_stats.py). Without dynamic "
+                "sampling that is every sample of the step. Under it, each round scores the groups whose rewards "
+                "differ where the correction is applied, and none otherwise (the kept groups are then scored in the "
+                "batch), except with `rollout.kv.budget=auto`: then every group of every round, tied ones included, "
+                "so the budget controller's tail sees every sampled token."),
     "correction": ("The sparsity correction (`algo.correction.*`): token mask, sequence rejection and importance "
                    "weights, over the response tokens (or sequences) of the step on all ranks."),
     "rescue": ("The rescue of rejected samples (`algo.correction.rescue=dense`, docs/correction.md): the sequences the "

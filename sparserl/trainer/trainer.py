@@ -40,6 +40,7 @@ from sparserl.trainer.metrics import gather_step_metrics, memory_metrics
 from sparserl.trainer.preflight import Inputs
 from sparserl.trainer.rescue import Redraw, Rescue, rescue_seed
 from sparserl.trainer.samples import SampleLog
+from sparserl.trainer.summary import closing_lines
 from sparserl.trainer.saved_state import SavedState, keep
 from sparserl.trainer.train_batch import to_train_batch
 from sparserl.utils.errors import RunStopped
@@ -54,6 +55,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, inputs: Inputs) -> None:
         """`inputs`: the checked inputs of `preflight.validate_inputs`."""
+        self.t_start = time.perf_counter()
         self.cfg = cfg
         self.info, self.dims, self.mesh = start_processes(cfg)
         replica = self.dims.replica_group(self.info.rank)  # with tp or cp > 1 its first rank rolls out for the rest
@@ -325,17 +327,22 @@ class Trainer:
         """The steps from the resumed one to `trainer.total_steps` (or `trainer.stop_after`); then the HF export
         (`trainer.export_hf`, when the run reached its last step) and the end of everything the run started."""
         t = self.cfg.trainer
+        stopped = ""
         for step in range(self.start + 1, t.total_steps + 1):
             self.step = step
             self.logger.log(step, self.train_step(step))
             self._checkpoint(step)
             if step == t.stop_after:
                 log0(f"stopping after step {step} (trainer.stop_after)")
+                stopped = "trainer.stop_after"
                 break
         else:
             if t.export_hf:
                 export_final(self.cfg, self.actor, self.tokenizer, self.info.rank)
         self.close()
+        if self.info.rank == 0:  # steps, reward first -> last, KV kept, time, and what to run next
+            for line in closing_lines(t.output_dir, self.step, t.total_steps, time.perf_counter() - self.t_start, stopped):
+                log0(line)
 
     def close(self) -> None:
         self.logger.close()
