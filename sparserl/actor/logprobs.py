@@ -312,6 +312,7 @@ def packed_logprobs(
             model(
                 input_ids=host_to_device([flat], device),
                 position_ids=host_to_device([pos], device),
+                attention_mask=_no_mask(device),
                 use_cache=False,
                 logits_to_keep=host_to_device(keep, device),
             )
@@ -334,6 +335,7 @@ def _cp_forward(model, flat, pos, keep, targets, spans, device, cp: CPGroup, hol
         model(
             input_ids=host_to_device(ids[None], device),
             position_ids=host_to_device(positions[None], device),
+            attention_mask=_no_mask(device),
             use_cache=False,
             logits_to_keep=host_to_device(kept.local, device),
         )
@@ -341,6 +343,13 @@ def _cp_forward(model, flat, pos, keep, targets, spans, device, cp: CPGroup, hol
         return gather_kept(head.logp, kept, cp), None
     both = gather_kept(torch.stack([head.logp, head.entropy], 1), kept, cp)
     return both[:, 0], both[:, 1]
+
+
+def _no_mask(device: torch.device) -> torch.Tensor:
+    """A 4-D mask, which transformers' mask builders pass through untouched: without one they look for packed
+    sequences in the positions with a host read (`find_packed_sequence_indices`) every forward. The packed
+    attention (and ring attention) ignores it."""
+    return torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device)
 
 
 def prompt_key(ids: list[int], prompt_len: int):

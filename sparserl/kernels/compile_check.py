@@ -58,17 +58,18 @@ class Compiled:
     target: str
     dtype: str
     shape: str
+    warps: int
     registers: int
     stack_bytes: int
     spill_stores: int
     seconds: float
 
     def row(self) -> list:
-        return [self.kernel, self.target, self.dtype, self.shape, self.registers, self.stack_bytes,
+        return [self.kernel, self.target, self.dtype, self.shape, self.warps, self.registers, self.stack_bytes,
                 self.spill_stores, f"{self.seconds:.1f}"]
 
 
-HEADER = ["kernel", "target", "dtype", "shape", "registers", "stack B", "spill stores", "compile s"]
+HEADER = ["kernel", "target", "dtype", "shape", "warps", "registers", "stack B", "spill stores", "compile s"]
 
 # What the engine launches (the static decode step, bf16 rollouts): the GPU check's Qwen2.5-1.5B shape (12 query
 # heads over 2 KV heads, D = 128) and SmolLM2-135M's (9 over 3, D = 64).
@@ -113,6 +114,7 @@ class Compiler:
         if triton.knobs.runtime.interpret:  # then triton.language's own @jit helpers are interpreted functions too
             raise RuntimeError("the compile check needs TRITON_INTERPRET unset or 0 when triton is imported")
         self.seen: set = set()
+        self._binders: dict = {}  # (kernel, arch) -> (target, backend, binder)
 
     def specialize(self, launch: paged_decode.Launch, arch: int):
         """(key, target, compile source, options) of a launch, as `JITFunction.run` derives them for its device."""
@@ -121,9 +123,11 @@ class Compiler:
         from triton.runtime.jit import create_function_from_signature
 
         fn = launch.kernel
-        target = GPUTarget("cuda", arch, 32)
-        backend = make_backend(target)
-        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        if (fn, arch) not in self._binders:
+            target = GPUTarget("cuda", arch, 32)
+            backend = make_backend(target)
+            self._binders[fn, arch] = target, backend, create_function_from_signature(fn.signature, fn.params, backend)
+        target, backend, binder = self._binders[fn, arch]
         bound, specialization, options = binder(*launch.args, **launch.constants)
         key = (fn.__name__, arch, repr(specialization), repr(options))
         options, signature, constexprs, attrs = fn._pack_args(backend, dict(launch.constants), bound,
@@ -144,8 +148,8 @@ class Compiler:
         regs, stack, stl = resource_usage(kernel.asm["cubin"], key[0])
         splits = "1 split" if launch.constants.get("ONE_SPLIT") else "splits"
         name = key[0] if key[0] != "_split_kernel" else f"_split_kernel ({splits})"
-        return Compiled(name, target_name, str(shape.dtype).removeprefix("torch."), shape.label(), regs, stack, stl,
-                        seconds)
+        return Compiled(name, target_name, str(shape.dtype).removeprefix("torch."), shape.label(),
+                        kernel.metadata.num_warps, regs, stack, stl, seconds)
 
 
 def resource_usage(cubin: bytes, function: str) -> tuple[int, int, int]:
@@ -154,12 +158,16 @@ def resource_usage(cubin: bytes, function: str) -> tuple[int, int, int]:
         f.write(cubin)
         f.flush()
         usage = subprocess.run([_bin("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True)
-        sass = subprocess.run([_bin("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True)
-    m = re.search(rf"Function {re.escape(function)}:\s*REG:(\d+) STACK:(\d+)", usage.stdout)
-    if m is None:
-        raise RuntimeError(f"no resource usage for {function} in cuobjdump's output:\n{usage.stdout}")
-    spills = len(re.findall(r"\bSTL(\.\w+)*\s", sass.stdout))
-    return int(m.group(1)), int(m.group(2)), spills
+        m = re.search(rf"Function {re.escape(function)}:\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)",
+                      usage.stdout)
+        if m is None:
+            raise RuntimeError(f"no resource usage for {function} in cuobjdump's output:\n{usage.stdout}")
+        regs, stack, local = (int(x) for x in m.groups())
+        spills = 0
+        if stack or local:  # without a stack frame or local memory there is nowhere to spill to (and -sass is slow)
+            sass = subprocess.run([_bin("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True)
+            spills = len(re.findall(r"\bSTL(\.\w+)*\s", sass.stdout))
+    return regs, stack, spills
 
 
 def run(matrix: str, targets: list[str], batches, widths, out=sys.stdout) -> list[Compiled]:

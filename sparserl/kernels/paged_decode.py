@@ -260,11 +260,15 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _launch_config(B: int, hkv: int, D: int, W: int, block_n, split_len) -> tuple[int, int, int]:
+def _launch_config(B: int, hkv: int, D: int, W: int, block_n, split_len, elt_bytes: int = 2) -> tuple[int, int, int]:
     """(block_n, split_len, num_splits) from the shapes only. Splits are added until B * H_kv * splits
-    programs fill a large GPU (about 512), but each split keeps at least four blocks of work."""
+    programs fill a large GPU (about 512), but each split keeps at least four blocks of work. fp32 pools
+    (`elt_bytes` 4) take half the slots per block: their K/V tiles spilled registers at sm_90 otherwise
+    (`python -m sparserl.kernels.compile_check`)."""
     if block_n is None:
         block_n = 64 if D <= 64 else (32 if D <= 128 else 16)
+        if elt_bytes > 2:
+            block_n = max(16, block_n // 2)
     if block_n < 16 or block_n != _pow2(block_n):
         raise ValueError(f"block_n must be a power of two >= 16; got {block_n}")
     if split_len is None:
@@ -276,8 +280,9 @@ def _launch_config(B: int, hkv: int, D: int, W: int, block_n, split_len) -> tupl
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch of a call: `kernel[grid](*args, **constants)`. The compile check
-    (`sparserl/kernels/compile_check.py`) compiles exactly these for a GPU target without launching them."""
+    """One kernel launch of a call: `kernel[grid](*args, **constants)` (constants: the constexprs, and launch
+    options such as num_warps). The compile check (`sparserl/kernels/compile_check.py`) compiles exactly these for
+    a GPU target without launching them."""
 
     kernel: object  # a triton JITFunction (the interpreter's function under TRITON_INTERPRET=1)
     grid: tuple[int, ...]
@@ -298,7 +303,7 @@ def launches(q, k_pool, v_pool, slot_table, lengths, scale=None, *, block_n=None
         raise ValueError("k_pool and v_pool must share a dtype and be contiguous in the head dimension")
     if k_pool.device != q.device or slot_table.device != q.device or lengths.device != q.device:
         raise ValueError(f"q, the pools, slot_table and lengths must be on one device; q is on {q.device}")
-    block_n, split_len, num_splits = _launch_config(B, hkv, D, W, block_n, split_len)
+    block_n, split_len, num_splits = _launch_config(B, hkv, D, W, block_n, split_len, k_pool.element_size())
     q = q.contiguous()
     out = torch.empty_like(q)
     G = H // hkv
@@ -308,12 +313,15 @@ def launches(q, k_pool, v_pool, slot_table, lengths, scale=None, *, block_n=None
         part = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
         lse = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
     stride_lh = lengths.stride(1) if lengths.dim() == 2 else 0
+    g_pad = max(16, _pow2(G))
+    # Eight warps where one program's (G_PAD, D) tiles reach 32 KB (fp32 MQA at D = 256): at four they spill.
+    warps = 8 if g_pad * D * k_pool.element_size() >= 32768 else 4
     plan = [Launch(_split_kernel, (B, hkv, num_splits), (
         q, k_pool, v_pool, slot_table, lengths, part, lse, out, float(D**-0.5 if scale is None else scale), W,
         split_len, num_splits, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0),
         v_pool.stride(1), slot_table.stride(0), slot_table.stride(1), lengths.stride(0), stride_lh),
-        dict(G=G, G_PAD=max(16, _pow2(G)), D=D, BLOCK_N=block_n, ONE_SPLIT=num_splits == 1,
-             DOT_FP32=_INTERPRETED and k_pool.dtype == torch.bfloat16))]
+        dict(G=G, G_PAD=g_pad, D=D, BLOCK_N=block_n, ONE_SPLIT=num_splits == 1,
+             DOT_FP32=_INTERPRETED and k_pool.dtype == torch.bfloat16, num_warps=warps))]
     if num_splits > 1:
         plan.append(Launch(_merge_kernel, (B * H,), (part, lse, out, num_splits),
                            dict(D=D, SPLIT_BLOCK=MERGE_SPLIT_BLOCK)))

@@ -238,6 +238,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("rollout/graph_captures", "Decode steps captured as CUDA graphs since the engine's stats were reset (a batch-size "
            "bucket's first use, and again after sleep, a weight release or a wider slot table)",
            "`rollout.engine=native`"),
+    Metric("rollout/graph_capture_s", "Seconds those captures took (each: a synchronize, a warm-up forward and the "
+           "capture), since the engine's stats were reset", "`rollout.engine=native`"),
     # perf/
     Metric("perf/step_s", "Seconds of the whole step on rank 0", SFT),
     Metric("perf/<phase>_s", "Seconds rank 0 spent in the phase (phases below)", "the steps that run the phase"),

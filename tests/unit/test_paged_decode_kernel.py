@@ -85,6 +85,15 @@ def test_long_rows_with_the_default_splits():
 
 
 @needs_kernel
+def test_many_splits_merge_in_blocks():
+    """19 splits: the merge reads them 16 at a time (two blocks, the second partial), empty splits included."""
+    case = make_case(2, 2, 1, 16, 300, [300, 70], seed=8)
+    block_n, split_len, num_splits = pd._launch_config(2, 1, 16, 300, 16, 16)
+    assert num_splits == 19 > pd.MERGE_SPLIT_BLOCK
+    assert_matches(paged_decode_attention(*case, block_n=16, split_len=16), *case)
+
+
+@needs_kernel
 def test_head_dim_64():
     case = make_case(2, 8, 2, 64, 48, [48, 20], seed=3)
     assert_matches(paged_decode_attention(*case, block_n=16, split_len=32), *case)
@@ -182,3 +191,39 @@ def test_cpu_without_the_interpreter_falls_back_to_the_reference(monkeypatch):
     q, k_pool, v_pool, table, lengths = (t.cpu() for t in make_case(3, 6, 2, 24, 12, [12, 0, 5]))  # any D
     out = paged_decode_attention(q, k_pool, v_pool, table, lengths)
     torch.testing.assert_close(out, sdpa_reference(q, k_pool, v_pool, table, lengths), atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def fresh_probe():
+    """The launch probe runs again (it is cached per device and process), and again after the test."""
+    from triton.runtime import build
+
+    def clear():
+        pd.launch_problem.cache_clear()
+        if hasattr(build, "_find_compiler"):  # triton >= 3.7 caches the compiler it found
+            build._find_compiler.cache_clear()
+
+    clear()
+    yield clear
+    clear()
+
+
+@pytest.mark.skipif(pd.triton is None, reason="needs triton")
+def test_a_failing_triton_build_step_turns_the_kernel_off(monkeypatch, caplog, tmp_path, fresh_probe):
+    """Triton builds its launcher with the host's C compiler at the first launch. With no compiler (CC names a
+    missing one, as a machine without gcc), its real build step raises: the probe says so in one line, the kernel is
+    off for CUDA and the static step's attention takes SDPA. With the machine's own compiler the build passes."""
+    from sparserl.engines.native.static_attention import StaticDecodeAttention
+
+    assert pd.build_problem() is None  # gcc and Python.h here: the real build step passes
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    fresh_probe()
+    problem = pd.build_problem()
+    assert problem is not None and "build step" in problem and "no-such-cc" in problem
+    with caplog.at_level("WARNING", logger=pd.__name__):
+        assert not kernel_available("cuda:0")
+        assert StaticDecodeAttention(torch.device("cuda", 0), 128).use_kernel is False
+        assert not kernel_available("cuda:0")
+    said = [r.getMessage() for r in caplog.records if "paged decode kernel off" in r.getMessage()]
+    assert len(said) == 1 and "build step" in said[0] and "SDPA" in said[0]  # one line, once per device
+    assert kernel_available("cpu") == pd._INTERPRETED  # the interpreter builds nothing

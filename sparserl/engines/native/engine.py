@@ -181,8 +181,9 @@ class NativeEngine:
             f"slots leaked: {self.pool.num_used} in use, {self.sessions.held_slots} held by sessions")
 
     def stats(self) -> EngineStats:
-        if self.runner.graphs is not None:  # CUDA graphs captured since the last reset
+        if self.runner.graphs is not None:  # CUDA graphs captured since the last reset, and the seconds they took
             self._stats.extra["rollout/graph_captures"] = float(self.runner.graphs.captures - self._captures_at_reset)
+            self._stats.extra["rollout/graph_capture_s"] = self.runner.graphs.capture_s - self._capture_s_at_reset
         return self._stats
 
     def reset_stats(self) -> None:
@@ -192,6 +193,7 @@ class NativeEngine:
         r = self.runner
         self._kv_sums = [0.0, 0]  # re-scored (sum of logp_sparse - logp_engine_dense, tokens) since the reset
         self._captures_at_reset = r.graphs.captures if r.graphs is not None else 0
+        self._capture_s_at_reset = r.graphs.capture_s if r.graphs is not None else 0.0
         extra = {"rollout/weight_bytes": float(r.weight_bytes), "rollout/weight_bytes_saved": float(r.float_weight_bytes - r.weight_bytes)}
         return EngineStats(pool_slots=self.num_slots, kv_bytes_per_slot=r.bytes_per_slot, extra=extra)
 

@@ -18,14 +18,23 @@ The buffers (made outside inference mode, so that any grad mode may write them):
 - the rows' sampling settings (seed, top-k; temperature, top-p), written when a sequence takes its row;
 - pinned host buffers for the sampled tokens and their log-probs.
 
-Host syncs per step: one, the event after the sampled tokens' non-blocking copy. The draw (`engines/draw.py`) runs
-after the replay, eagerly, on the first n rows of the bucket, its flags from the requests' Python parameters.
-Captured graphs are dropped (and re-captured on the next decode, counted in `captures`) when the pool, the weights,
-the query ring or W change. Left out on purpose: capturing the draw (its flags pick the kernels), prefill in graphs.
+Host syncs per step: one, the event after the sampled tokens' non-blocking copy (counted in `waits`: CUDA's sync
+detector does not see an event wait). The draw (`engines/draw.py`) runs after the replay, eagerly, on the first n
+rows of the bucket, its flags from the requests' Python parameters. The step runs with the engine's device current
+(`torch.cuda.device`), so the event, the side stream and the capture are on it whichever device the process has
+current. Captured graphs are dropped (and re-captured on the next decode, counted in `captures`, their time in
+`capture_s`) when the pool, the weights, the query ring or W change; sleep drops the pool, so every training step
+captures again (the pool's memory is freed and allocated anew, at other addresses).
+Models whose forward reads a device value on the host cannot be captured: RoPE types that choose their
+frequencies from the largest position (transformers' dynamic and longrope scaling), see `capture_blocker`; for them
+`resolve_cuda_graphs` turns the static step off and says so once.
+Left out on purpose: capturing the draw (its flags pick the kernels), prefill in graphs, keeping graphs across sleep.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 
 import torch
 
@@ -42,13 +51,34 @@ IDS, POS, WRITE, LEN, ROW, RING_ROW, RING_PLACE = range(7)
 FIELDS = 7
 
 
-def resolve_cuda_graphs(setting: str | bool, device: torch.device) -> bool:
-    """`rollout.cuda_graphs`: on | off | auto (on for CUDA engines). On elsewhere runs the static step eagerly."""
+def resolve_cuda_graphs(setting: str | bool, device: torch.device, model: torch.nn.Module | None = None) -> bool:
+    """`rollout.cuda_graphs`: on | off | auto (on for CUDA engines). On elsewhere runs the static step eagerly.
+    Off, with one log line, for a `model` whose forward cannot be captured (`capture_blocker`)."""
     if isinstance(setting, bool):
-        return setting
-    if setting not in ("auto", "on", "off"):
+        on = setting
+    elif setting not in ("auto", "on", "off"):
         raise ValueError(f"rollout.cuda_graphs must be auto, on or off, not {setting!r}")
-    return setting == "on" or (setting == "auto" and device.type == "cuda")
+    else:
+        on = setting == "on" or (setting == "auto" and device.type == "cuda")
+    blocker = capture_blocker(model) if on and model is not None else None
+    if blocker is not None:
+        log.warning("rollout.cuda_graphs=%s: decode steps run eagerly, %s", setting, blocker)
+        return False
+    return on
+
+
+def capture_blocker(model: torch.nn.Module) -> str | None:
+    """Why the model's decode forward cannot be captured, or None. Transformers' `dynamic_rope_update` makes the
+    dynamic and longrope RoPE types read `torch.max(position_ids)` on the host in every forward (to pick or grow
+    their frequencies), which a CUDA graph cannot replay."""
+    for name, module in model.named_modules():
+        kinds = getattr(module, "rope_type", None)
+        kinds = kinds.values() if isinstance(kinds, dict) else [kinds]  # a rope type per layer type
+        for kind in kinds:
+            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
+                return (f"the model's RoPE ({name or 'model'}.rope_type={kind!r}) reads the largest position on the "
+                        "host in every forward")
+    return None
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -68,6 +98,8 @@ class StaticDecode:
         self.max_rows = max_num_seqs
         self.attention = StaticDecodeAttention(self.device, runner.head_dim)
         self.captures = 0  # graphs captured over the engine's life
+        self.capture_s = 0.0  # seconds spent capturing them (warm-up forward included)
+        self.waits = 0  # event waits: the step's one host sync each, on CUDA
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None  # the graphs' shared memory pool
         self._key = None  # (W, the query ring's buffers) the graphs were captured with
@@ -136,6 +168,11 @@ class StaticDecode:
         """Decode one token for each of `seqs` (each has its new slot as `slots[-1]`) and count it in `num_cached`;
         returns the sampled tokens and their log-probs. `compressor`: the engine's, when queries are kept for KV
         compression."""
+        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with on_device:
+            return self._step(seqs, sampler, compressor)
+
+    def _step(self, seqs: list[Sequence], sampler, compressor) -> tuple[list[int], list[float]]:
         if self.dev_in is None:
             self._allocate()
         self._ensure_width(max(max(s.reserve, len(s.slots)) for s in seqs))
@@ -215,7 +252,9 @@ class StaticDecode:
                     prepacker.disarm()
         graph = self.graphs.get(size)
         if graph is None:
+            t0 = time.perf_counter()
             graph = self.graphs[size] = self._capture(size, ring)
+            self.capture_s += time.perf_counter() - t0  # the capture synchronizes: the warm-up has run by now
         graph[0].replay()
         return graph[1]
 
@@ -275,4 +314,5 @@ class StaticDecode:
         if self.event is not None:
             self.event.record()
             self.event.synchronize()  # the step's one wait
+            self.waits += 1
         return self.np_tokens[:n].tolist(), self.np_logps[:n].tolist()

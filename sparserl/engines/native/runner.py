@@ -141,6 +141,10 @@ class ModelRunner:
         self.prepacker = Prepacker(self.model, prepack) if prepack else None
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # A 4-D mask is passed through by transformers' mask builders untouched: without one they look for packed
+        # sequences in the positions with a host read (`find_packed_sequence_indices`) every forward. The packed
+        # attention ignores it.
+        self.no_mask = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(model.config)
         self.num_slots = num_slots
         self.k_cache: list[torch.Tensor] | None = None
@@ -239,6 +243,7 @@ class ModelRunner:
                 out = self.model(
                     input_ids=self._tensor(ids)[None],
                     position_ids=self._tensor(pos)[None],
+                    attention_mask=self.no_mask,
                     use_cache=False,
                     logits_to_keep=self._tensor(keep),
                 )
