@@ -45,6 +45,15 @@ def _prepack_applies(cfg) -> None:
                           f"rollout.dtype={r.dtype}, rollout.quantization={r.quantization}: {why}; use auto or off")
 
 
+def _kv_memory_fraction_device(cfg) -> None:
+    # parallel.device=auto on a machine without CUDA is checked again where the pool is sized (engine_options/build.py).
+    from sparserl.engines.kv_memory import parse_kv_memory  # plain Python
+
+    if parse_kv_memory(cfg.rollout.kv_memory).fraction > 0 and cfg.parallel.device == "cpu":
+        raise ConfigError(f"rollout.kv_memory={cfg.rollout.kv_memory} is a fraction of the free device memory, which "
+                          "needs parallel.device=cuda; give a size on CPU (e.g. rollout.kv_memory=512MB)")
+
+
 def _sglang_tp_shares_heads(cfg) -> None:
     kv = cfg.rollout.kv
     if cfg.rollout.engine == "sglang" and cfg.parallel.tp > 1 and kv.algorithm != "none" and kv.share != "head":
@@ -120,6 +129,6 @@ def _openreward(cfg) -> None:
 
 # Checks relating keys of different groups: fn(cfg), run by check_config after every group.
 CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (_dual_clip_is_ppo, _nccl_needs_cuda, _quantization_device,
-                                                   _prepack_applies,
+                                                   _prepack_applies, _kv_memory_fraction_device,
                                                    _sglang_tp_shares_heads, _overlong_fits,
                                                    _auto_budget_engine, _lora_dropout_tp, _cp_engine, _rescue_dense, _openreward)

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 from sparserl.algo.correction_config import CorrectionConfig
 from sparserl.config.fields import (COUNT, NON_EMPTY, NON_NEG, PROB, ConfigError, Rule, above, each, opt, or_null,
                                     show, within)
+from sparserl.engines.kv_memory import SYNTAX, is_kv_memory, parse_kv_memory
 from sparserl.kv.policy import KVPolicyConfig
 
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64", "fp64")  # actor/hf.py DTYPES
@@ -149,8 +150,19 @@ class RolloutConfig:
     stop_strings: list[str] = opt([], "end a response at any of these (EOS always ends it)", rule=each(NON_EMPTY))
     dtype: str = opt("auto", "the engine's weights and KV cache, for both engines; auto: as model.compute_dtype's "
                              "auto", **AUTO_DTYPES)
-    kv_pool_tokens: int = opt(0, "KV slots per layer, for both engines (SGLang's max_total_tokens); 0 = enough for "
-                                 "every sequence of a step, densely", rule=NON_NEG)
+    kv_memory: str = opt("0", "the KV pool of each engine in bytes, for both engines (SGLang: its max_total_tokens): "
+                              "a size (64MB, 1.5GB; MB = 2**20 bytes), megabytes as a bare number (64), a fraction "
+                              "in (0, 1) of the device memory free when the engine is sized (0.3; CUDA), or 0 "
+                              "(unset); entries = bytes / (2 x layers x KV heads x head dim x dtype bytes); give "
+                              "it or rollout.kv_pool_tokens, not both (sparserl/engines/kv_memory.py)",
+                         rule=Rule(is_kv_memory, SYNTAX))
+    kv_pool_tokens: int = opt(0, "KV slots per layer, for both engines (SGLang's max_total_tokens); 0 = "
+                                 "rollout.kv_memory, or enough for every sequence of a step, densely", rule=NON_NEG)
+    admission: str = opt("optimistic", "native engine: optimistic | reserve: admit a sequence while its current KV "
+                                       "need fits (retracting the youngest, re-prefilled later, when the pool runs "
+                                       "out) or only while its worst case does (nothing retracted); SGLang "
+                                       "admits optimistically (engines/native/scheduler.py, docs/decisions.md)",
+                         choices=("optimistic", "reserve"))
     max_num_seqs: int = opt(256, "sequences decoding at once per engine, for both engines (SGLang's "
                                  "max_running_requests)", rule=COUNT)
     max_batch_tokens: int = opt(8192, "tokens per engine forward: new prompts are prefilled while they fit", rule=COUNT)

@@ -2,8 +2,9 @@
 
 Each engine is configured by its own dataclass (`NativeOptions`, `SGLangOptions`); this module is the only code
 that reads the run's `Config` for an engine, so the engines stay usable as a library without it. `rollout.dtype`,
-`rollout.release_weights`, `rollout.kv_pool_tokens` and `rollout.max_num_seqs` set both engines; `rollout.sglang.*`
-holds what only SGLang has. Left out on purpose: building an engine for a user-registered name from the config
+`rollout.release_weights`, `rollout.kv_memory` / `rollout.kv_pool_tokens` (the pool, in bytes or entries: SGLang's
+max_total_tokens; sizing.py) and `rollout.max_num_seqs` set both engines; `rollout.sglang.*` holds what only SGLang
+has; `rollout.admission` is the native engine's. Left out on purpose: building an engine for a user-registered name from the config
 (such an engine gets `model_path` and `tokenizer` and reads the rest from its own options).
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import gc
 import torch
 
 from sparserl.config import Config
+from sparserl.engine_options.sizing import SequenceSize, memory_slots, pool_line
 from sparserl.engines.native.options import NativeOptions
 from sparserl.engines.protocol import RolloutEngine
 from sparserl.engines.registry import build_engine
@@ -33,9 +35,15 @@ def sampling_params(cfg: Config) -> SamplingParams:
         raise UserError(f"rollout: {e}") from None
 
 
-def pool_slots(cfg: Config, max_prompt_len: int, prompts_per_rank: int) -> int:
-    """`rollout.kv_pool_tokens`, else enough for every sequence of a step at its dense worst case (no request ever
-    waits on memory)."""
+def pool_slots(cfg: Config, max_prompt_len: int, prompts_per_rank: int, model_path: str | None = None,
+               device: torch.device | None = None) -> int:
+    """`rollout.kv_memory` in entries of `model_path`'s KV (sizing.py), else `rollout.kv_pool_tokens`, else enough for
+    every sequence of a step at its dense worst case (no request ever waits on memory)."""
+    if model_path is not None:
+        slots = memory_slots(cfg, model_path, device or torch.device("cpu"),
+                             SequenceSize(max_prompt_len, cfg.rollout.max_new_tokens))
+        if slots is not None:
+            return slots
     if cfg.rollout.kv_pool_tokens > 0:
         return cfg.rollout.kv_pool_tokens
     return max(1, prompts_per_rank * cfg.rollout.n) * (max_prompt_len + cfg.rollout.max_new_tokens)
@@ -44,14 +52,15 @@ def pool_slots(cfg: Config, max_prompt_len: int, prompts_per_rank: int) -> int:
 def native_options(cfg: Config, num_slots: int) -> NativeOptions:
     r = cfg.rollout
     return NativeOptions(num_slots=num_slots, max_num_seqs=r.max_num_seqs, max_batch_tokens=r.max_batch_tokens,
-                         kv=r.kv.with_budget(), release_weights=r.release_weights, quantization=r.quantization,
+                         admission=r.admission, kv=r.kv.with_budget(), release_weights=r.release_weights, quantization=r.quantization,
                          quantize_lm_head=r.quantize_lm_head, rescore_seqs=r.rescore_seqs, decode_cache=r.decode_cache,
                          prepack=r.prepack, cuda_graphs=r.cuda_graphs)
 
 
 def sglang_options(cfg: Config, device: torch.device | str = "cpu", num_slots: int = 0) -> SGLangOptions:
     """`rollout.sglang.*` with its `auto` values resolved for this device, and the keys both engines share;
-    `num_slots` is the pool a native engine would get for the same run, used when `rollout.kv_pool_tokens` is 0."""
+    `num_slots` is the pool a native engine would get for the same run (`pool_slots`: `rollout.kv_memory` in entries,
+    or the default), used when `rollout.kv_pool_tokens` is 0."""
     s, r = cfg.rollout.sglang, cfg.rollout
     dev = torch.device(device).type
     on_gpu = dev == "cuda"
@@ -79,16 +88,21 @@ def sglang_options(cfg: Config, device: torch.device | str = "cpu", num_slots: i
 
 
 def build_rollout_engine(cfg: Config, model_path: str, tokenizer, device: torch.device, num_slots: int,
-                         seed: int) -> RolloutEngine:
+                         seed: int, longest: SequenceSize | None = None) -> RolloutEngine:
     """The rollout engine, started after the device memory the actor's build left cached is given back (SGLang
-    sizes its KV pool from the free memory it measures once, at start-up); says the pool it got."""
+    sizes its KV pool from the free memory it measures once, at start-up); says the pool it got and, given the
+    `longest` sequence, how many of them it holds (dense, and compressed with compression on)."""
     gc.collect()
     release_free_memory()
     engine = _build(cfg, model_path, tokenizer, device, num_slots, seed)
     st = engine.stats()
-    log0(f"rollout engine {cfg.rollout.engine}: KV pool {st.pool_slots} tokens x {st.kv_bytes_per_slot} B = "
-         f"{st.pool_slots * st.kv_bytes_per_slot / 2**30:.3f} GiB per engine"
-         + (f" ({torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB of the device free after)" if device.type == "cuda" else ""))
+    free = f" ({torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB of the device free after)" if device.type == "cuda" else ""
+    if longest is not None and st.pool_slots and st.kv_bytes_per_slot:
+        log0(f"rollout engine {cfg.rollout.engine}: {pool_line(cfg, st.pool_slots, st.kv_bytes_per_slot, longest)} per "
+             f"engine{free}")
+    else:
+        log0(f"rollout engine {cfg.rollout.engine}: KV pool {st.pool_slots} tokens x {st.kv_bytes_per_slot} B = "
+             f"{st.pool_slots * st.kv_bytes_per_slot / 2**30:.3f} GiB per engine{free}")
     return engine
 
 

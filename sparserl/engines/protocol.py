@@ -33,7 +33,8 @@ class EngineStats:
     peak_slots: int = 0  # high-water mark of the slot pool (slots per layer)
     pool_slots: int = 0
     peak_running: int = 0  # most sequences decoding at once
-    preemptions: int = 0
+    retractions: int = 0  # running sequences that gave their KV back and were prefilled again (native engine)
+    recomputed_tokens: int = 0  # tokens whose KV those re-prefills computed again
     compressions: int = 0
     compress_s: float = 0.0
     kv_bytes_per_slot: int = 0  # all layers, K and V

@@ -105,7 +105,7 @@ class KVStats:
     total_tokens: int = 0  # prompt + response length: what a dense cache would hold
     compressions: int = 0
     compress_s: float = 0.0
-    preemptions: int = 0
+    retractions: int = 0  # times the engine took this sequence's KV back and prefilled it again
     reused_tokens: int = 0  # prompt tokens whose KV came from a held session instead of a prefill
     # Number of tokens generated before each compression: token k (0-based) onward was sampled from the
     # compressed cache. Empty for a dense cache and for engines that do not report it.

@@ -26,14 +26,19 @@ from sparserl.parallel import ParallelDims, init_distributed
 from sparserl.actor.hf import load_tokenizer
 from sparserl.engine_options.checks import check_engine
 from sparserl.engine_options.build import build_rollout_engine
+from sparserl.engine_options.sizing import SequenceSize, memory_slots
 from sparserl.utils.precision import resolve_precision
 from sparserl.utils.errors import run_main
 from sparserl.utils.logging import log0
 from sparserl.utils.runs import follow_latest
 
 
-def pool_slots(cfg: Config, lengths: list[int], seqs_per_rank: int) -> int:
-    """rollout.kv_pool_tokens, else enough for rollout.max_num_seqs dense sequences of the longest prompt."""
+def pool_slots(cfg: Config, lengths: list[int], seqs_per_rank: int, model_path: str, device) -> int:
+    """rollout.kv_memory in entries, else rollout.kv_pool_tokens, else enough for rollout.max_num_seqs dense sequences
+    of the longest prompt."""
+    slots = memory_slots(cfg, model_path, device, SequenceSize(max(lengths), cfg.eval.max_new_tokens))
+    if slots is not None:
+        return slots
     if cfg.rollout.kv_pool_tokens > 0:
         return cfg.rollout.kv_pool_tokens
     return max(1, min(seqs_per_rank, cfg.rollout.max_num_seqs)) * (max(lengths) + cfg.eval.max_new_tokens)
@@ -60,7 +65,9 @@ def run(cfg: Config, argv: list[str] | None = None) -> None:
     texts = format_prompts(cfg, sets, tokenizer)
     lengths = [len(ids) for t in texts for ids in tokenizer(t, add_special_tokens=False)["input_ids"]]
     per_rank = max(-(-len(s.rows) // dims.dp) for s in sets) * cfg.eval.n
-    engine = build_rollout_engine(cfg, model.path, tokenizer, info.device, pool_slots(cfg, lengths, per_rank), cfg.eval.seed)
+    engine = build_rollout_engine(cfg, model.path, tokenizer, info.device,
+                                  pool_slots(cfg, lengths, per_rank, model.path, info.device), cfg.eval.seed,
+                                  SequenceSize(max(lengths), cfg.eval.max_new_tokens))
     weights = model.weights()  # a DCP checkpoint's, or base + LoRA adapter merged (eval/model.py)
     if weights is not None:
         engine.update_weights(weights)

@@ -220,6 +220,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("kv/peak_slots", "Most KV slots (per layer) in use at once in one engine, max over ranks"),
     Metric("kv/peak_gb", "Those slots in GiB (all layers, K and V), max over ranks"),
     Metric("kv/peak_running", "Most sequences decoding at once in one engine, max over ranks"),
+    Metric("kv/retractions", "Running sequences the native engine retracted when its KV pool ran out (their slots "
+           "freed, prefilled again later: `rollout.admission=optimistic`), all ranks",
+           "`rollout.kv_memory` or `rollout.kv_pool_tokens` set (0 with SGLang, whose retractions are its own)"),
+    Metric("kv/recomputed_tokens", "Tokens whose KV those retractions threw away and a re-prefill computed again, "
+           "all ranks", "`rollout.kv_memory` or `rollout.kv_pool_tokens` set"),
     Metric("kv/pool_size", "Slots of the SGLang engine's KV pool", "`rollout.engine=sglang` with KV compression"),
     Metric("kv/pool_free_after", "Free slots once the rollout finished (equals `kv/pool_size`, or the run stops with a "
            "leak error)", "`rollout.engine=sglang` with KV compression"),

@@ -14,7 +14,8 @@ from sparserl.utils.memory import peak_rss_gb, rss_bytes
 
 
 def gather_step_metrics(step: int, samples: list[Sample], rollout_metrics: dict, stats: EngineStats, batch, timers: dict,
-                        step_s: float, dp_group, device) -> dict[str, float]:
+                        step_s: float, dp_group, device, retractions: bool = False) -> dict[str, float]:
+    """`retractions`: also `kv/retractions` and `kv/recomputed_tokens` (a run that sizes the KV pool itself)."""
     kv = [k for s in samples for k in s.kv]
     retained = sum(k.retained_tokens for k in kv)
     total = sum(k.total_tokens for k in kv)
@@ -34,6 +35,8 @@ def gather_step_metrics(step: int, samples: list[Sample], rollout_metrics: dict,
         "compressions": float(stats.compressions),
         "compress_s": stats.compress_s,
     }
+    if retractions:
+        local.update(retractions=float(stats.retractions), recomputed=float(stats.recomputed_tokens))
     maxes = {"peak_slots": float(stats.peak_slots), "peak_kv_gb": stats.peak_kv_bytes / 2**30,
              "len_max": float(max(len(s.response_ids) for s in samples)), "rollout_s": timers.get("perf/rollout_s", 0.0),
              "update_s": timers.get("perf/update_s", 0.0), "peak_running": float(stats.peak_running)}
@@ -57,6 +60,7 @@ def gather_step_metrics(step: int, samples: list[Sample], rollout_metrics: dict,
         "kv/compressions": g["compressions"],
         "kv/compress_s": g["compress_s"],
         "kv/peak_running": m["peak_running"],
+        **({"kv/retractions": g["retractions"], "kv/recomputed_tokens": g["recomputed"]} if retractions else {}),
         "perf/rollout_tok_s": g["new_tokens"] / m["rollout_s"] if m["rollout_s"] else 0.0,
         "perf/train_tok_s": g["train_tokens"] / m["update_s"] if m["update_s"] else 0.0,
         "perf/step_s": step_s,

@@ -22,6 +22,7 @@ from sparserl.algo.sampler_stats import SamplerStats
 from sparserl.config import Config
 from sparserl.data.prompt_sampler import StepBatch
 from sparserl.engine_options.build import build_rollout_engine, pool_slots, sampling_params
+from sparserl.engine_options.sizing import SequenceSize, pool_is_sized
 from sparserl.engines.handle import EngineHandle
 from sparserl.eval.hook import TrainEval
 from sparserl.kv.budget_control import BudgetController, tail_key, tail_of
@@ -292,7 +293,8 @@ class Trainer:
         """The step's rollout, engine, batch and timing metrics over every DP rank."""
         r = step_rollout
         return gather_step_metrics(step, r.rolled, r.rollout_metrics, r.engine_stats, batch,
-                                   self.timers.pop(), step_s, self.actor.dp_group, self.info.device)
+                                   self.timers.pop(), step_s, self.actor.dp_group, self.info.device,
+                                   retractions=pool_is_sized(self.cfg))
 
     def _steer_budget(self, metrics: dict[str, float]) -> None:
         """rollout.kv.budget=auto: the next step's budget, from this step's sampler tail (before any filter)."""

@@ -11,8 +11,9 @@ from tests.conftest import tiny_model
 POLICIES = ["rkv", "snapkv", "streaming"]
 
 
-def run(kv, prompts, max_new, num_slots=4096, seed=0, trace=False, n=1, model_seed=0):
-    engine = NativeEngine(tiny_model("llama", seed=model_seed), num_slots=num_slots, eos_token_ids=[], kv=kv)
+def run(kv, prompts, max_new, num_slots=4096, seed=0, trace=False, n=1, model_seed=0, admission="optimistic"):
+    engine = NativeEngine(tiny_model("llama", seed=model_seed), num_slots=num_slots, eos_token_ids=[], kv=kv,
+                          admission=admission)
     if trace:
         engine.trace = []
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=seed, n=n)
@@ -49,10 +50,10 @@ def test_compression_frees_slots_and_keeps_generating(policy, share):
 
 def test_compressed_requests_run_more_at_once_in_a_fixed_pool():
     prompts = [[i + 1, 2, 3, 4] for i in range(8)]
-    pool = 2 * (4 + 64)  # room for two dense requests
-    dense_engine, _ = run(None, prompts, 64, num_slots=pool)
+    pool = 2 * (4 + 64)  # room for two dense requests at their worst case
+    dense_engine, _ = run(None, prompts, 64, num_slots=pool, admission="reserve")
     kv = KVPolicyConfig(algorithm="rkv", budget=12, window=4, divide_length=8, kernel=3)
-    sparse_engine, gens = run(kv, prompts, 64, num_slots=pool)
+    sparse_engine, gens = run(kv, prompts, 64, num_slots=pool, admission="reserve")
     assert dense_engine.stats().peak_running == 2
     assert sparse_engine.stats().peak_running >= 6
     assert all(len(g.token_ids) == 64 for g in gens)

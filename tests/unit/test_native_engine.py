@@ -91,7 +91,7 @@ def test_seed_index_keys_draws_independently_of_position():
 
 
 def test_continuous_batching_admits_into_freed_slots():
-    engine = NativeEngine(tiny_model("llama"), num_slots=30, eos_token_ids=[])
+    engine = NativeEngine(tiny_model("llama"), num_slots=30, eos_token_ids=[], admission="reserve")
     engine.trace = []
     # Each request reserves prompt + max_new - 1 slots (7, 19, 11, 15, 9): only two fit 30 slots at first.
     lengths = [4, 16, 8, 12, 6]

@@ -14,6 +14,13 @@ continues with true logical positions; the new turn's own tokens are its prompt 
 (`CompressionSchedule(cfg, new tokens)`), while earlier turns are compressible like generated tokens. Forked
 siblings start from their leader's prompt queries. The sequences due after a step are compacted together, in one
 batched pass (`compact_batch`), each with the keep-set it would get alone.
+A retracted sequence (optimistic admission, scheduler.py) is rebuilt, not re-compressed from scratch: its
+re-prefill stops at each logical length where it was compacted (`Sequence.replay_ends`), and `replay_due`
+compacts it there as `after_step` did the first time: the same tokens went through the model, the same window
+queries score the same keys over the same logical positions, so it keeps the same entries (up to rounding, which
+the kernels of a re-prefill do not reproduce bit for bit, against an exact tie) and the rebuilt cache is the one
+that drew its tokens. Its schedule resumes where it stood (`steps_since`); replayed compactions are not counted
+again in `compressions` or `compressed_at`, only their time.
 Left out on purpose: compressing at prefill (the first trigger comes with the first decode step past the
 floor).
 """
@@ -93,6 +100,8 @@ class Compressor:
             if seq.carry is not None:
                 self._resume(st, seq.carry)
                 seq.carry = None
+            if seq.output:  # a retracted sequence coming back: its schedule goes on where it stood
+                st.schedule.steps_since = len(seq.output) - (seq.compressed_at[-1] if seq.compressed_at else 0)
             self._state[seq.seq_id] = st
         return st
 
@@ -135,6 +144,16 @@ class Compressor:
         if due:
             self.compress_all(due, scheduler)
 
+    def replay_due(self, prefilled: list[Sequence], scheduler: Scheduler) -> None:
+        """Resumed sequences whose re-prefill reached a length where they were compacted: compact them there again."""
+        due = []
+        for seq in prefilled:
+            if seq.replay_ends and seq.num_cached == seq.replay_ends[0]:
+                seq.replay_ends.pop(0)
+                due.append((seq, self._state[seq.seq_id]))
+        if due:
+            self.compress_all(due, scheduler, replay=True)
+
     def _is_newline(self, token: int) -> bool:
         return self._newline(token, self.tokenizer)
 
@@ -143,9 +162,10 @@ class Compressor:
         self.compress_all([(seq, st)], scheduler)
 
     @torch.inference_mode()
-    def compress_all(self, due: list[tuple[Sequence, _SeqState]], scheduler: Scheduler) -> None:
+    def compress_all(self, due: list[tuple[Sequence, _SeqState]], scheduler: Scheduler, replay: bool = False) -> None:
         """Compact the due sequences in one batched pass (`compact_batch`: the keep-sets each would get alone), then
-        free each one's evicted slots in order. Each is charged an equal share of the pass's time."""
+        free each one's evicted slots in order. Each is charged an equal share of the pass's time. `replay`: a
+        resumed sequence's compaction done again (`replay_due`), not counted as a new one."""
         t0 = time.perf_counter()
         r = self.runner
         work = [DueRequest(st, st.row, torch.tensor(seq.slots, dtype=torch.long, device=r.device),
@@ -156,6 +176,7 @@ class Compressor:
             scheduler.release_slots(seq, seq.slots[item.keep:])
             seq.slots = seq.slots[:item.keep]
             seq.slots_version += 1
-            seq.compressions += 1
-            seq.compressed_at.append(len(seq.output))  # output[k:] is sampled from the compressed cache
             seq.compress_s += seconds
+            if not replay:
+                seq.compressions += 1
+                seq.compressed_at.append(len(seq.output))  # output[k:] is sampled from the compressed cache

@@ -1,9 +1,10 @@
 """The native rollout engine: continuous batching over a KV slot pool, on the Hugging Face model's modules.
 
-`generate` admits requests while their worst-case KV need fits the pool, runs one packed forward per step
-(prefill of new sequences and one decode token of every running one), samples with the keyed draw shared with
-SGLang (engines/draw.py), and retires sequences on a stop token, a stop string or `max_new_tokens`, freeing their
-slots for the next waiting ones. Left out on purpose: an async/streaming API (the trainer wants whole batches),
+`generate` admits requests while their current KV need fits the pool (`admission=optimistic`, retracting the
+youngest sequences when the running ones outgrow it, scheduler.py) or their worst case does (`reserve`), runs one
+packed forward per step (prefill of new sequences and one decode token of every running one), samples with the
+keyed draw shared with SGLang (engines/draw.py), and retires sequences on a stop token, a stop string or
+`max_new_tokens`, freeing their slots for the next waiting ones. Left out on purpose: an async/streaming API (the trainer wants whole batches),
 prefix caching across prompts (the `n` samples of one prompt do share its prefill), speculative decoding.
 With `quantization` the linear layers hold int8 / fp8 weights, re-quantized at every weight update
 (`quantize.py`); `rescore_seqs` re-scores a few sequences densely to split the mismatch (`rescore.py`).
@@ -27,7 +28,7 @@ from __future__ import annotations
 import time
 import dataclasses
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Iterator
 
 import torch
@@ -61,6 +62,7 @@ class StepTrace:
     finished: list[tuple[int, int]]
     slots_used: int
     pool_high_water: int
+    retracted: list[tuple[int, int]] = field(default_factory=list)  # gave their slots back at this step's start
 
 
 class NativeEngine:
@@ -206,7 +208,9 @@ class NativeEngine:
         pool = self.pool
         pool.reset_high_water()
         held = self.sessions.held_slots + sum(len(s.slots) for s in seqs)
-        scheduler = Scheduler(pool, self.max_num_seqs, self.max_batch_tokens, held, self._make_room)
+        o = self.options
+        scheduler = Scheduler(pool, self.max_num_seqs, self.max_batch_tokens, held, self._make_room, o.admission,
+                              o.admission_watermark, self._retracted)
         sampler = Sampler(self.seed)
         for seq in seqs:
             scheduler.add(seq)
@@ -218,7 +222,7 @@ class NativeEngine:
                     raise RuntimeError(
                         f"the KV pool ({self.num_slots} slots) cannot admit the next sequence next to the "
                         f"{scheduler.held} slots held by sessions that cannot be re-prefilled in it; raise "
-                        "rollout.kv_pool_tokens or end sessions earlier")
+                        "rollout.kv_memory (or rollout.kv_pool_tokens) or end sessions earlier")
                 self._step(batch, scheduler, sampler, progress)
         except BaseException:
             self._abandon(seqs)
@@ -260,7 +264,8 @@ class NativeEngine:
                 raise ValueError(
                     f"request {req.request_id!r}: a prompt of {len(prompt)} tokens with max_new_tokens="
                     f"{params.max_new_tokens} needs up to {reserve} KV slots, but the pool has {self.num_slots}; "
-                    "raise rollout.kv_pool_tokens, shorten the prompt or lower rollout.max_new_tokens"
+                    "raise rollout.kv_memory (or rollout.kv_pool_tokens), shorten the prompt or lower "
+                    "rollout.max_new_tokens"
                     + (" (this is a dense generation, engine.dense(): its worst case is uncompressed)"
                        if self._set_aside is not None else "")
                 )
@@ -276,6 +281,8 @@ class NativeEngine:
                     session = self.sessions.take(keys[0])
                     seq.slots, seq.carry = session.slots, session.carry
                     seq.num_cached = seq.reused = len(session.tokens)
+                    # A re-prefill would compress the earlier turns afresh, not as the held cache was compressed.
+                    seq.retractable = self.compression is None
                 seqs.append(seq)
         return seqs
 
@@ -312,6 +319,18 @@ class NativeEngine:
         seq.slots, seq.num_cached, seq.reused, seq.carry = [], 0, 0, None
         seq.reserve = self._reserve(len(seq.prompt), seq.params.max_new_tokens)
 
+    def _retracted(self, seq: Sequence) -> None:
+        """The scheduler's retraction hook (its slots are back in the pool): forget the sequence's rows and
+        compression state. It prefills prompt + output again, a compressed one in stretches that stop where it was
+        compacted (`Compressor.replay_due`); a dense session continuation prefills its whole history."""
+        self.runner.forget(seq)
+        if seq.reused:
+            seq.reused, seq.carry = 0, None
+            seq.reserve = self._reserve(len(seq.prompt), seq.params.max_new_tokens)
+        if self.compression is not None:
+            self.compression.forget(seq)
+            seq.replay_ends = [len(seq.prompt) + c - 1 for c in seq.compressed_at]
+
     def _abandon(self, seqs: list[Sequence]) -> None:
         """After an exception inside generate(): free every slot of this call and drop the sessions it continued
         or created (their caller never saw the turn); sessions it did not touch stay held."""
@@ -337,6 +356,8 @@ class NativeEngine:
             if self.compression is not None:
                 self.compression.after_forward(batch)
             sampled, tokens, logps = sampler.sample_batch(logits, batch)
+            if self.compression is not None:
+                self.compression.replay_due(batch.prefill, scheduler)
         self._stats.forward_steps += 1
         finished = 0
         for seq, tok, lp in zip(sampled, tokens, logps):
@@ -360,6 +381,7 @@ class NativeEngine:
                 finished=[key(s) for s in sampled if s.finish_reason is not None],
                 slots_used=scheduler.pool.num_used,
                 pool_high_water=scheduler.pool.high_water,
+                retracted=[key(s) for s in batch.retracted],
             ))
 
     def _retire(self, seq: Sequence, reason: str, scheduler: Scheduler, sampler: Sampler) -> None:
@@ -391,6 +413,8 @@ class NativeEngine:
         st.peak_running = max(st.peak_running, scheduler.peak_running)
         st.compressions += sum(s.compressions for s in seqs)
         st.compress_s += sum(s.compress_s for s in seqs)
+        st.retractions += sum(s.retractions for s in seqs)
+        st.recomputed_tokens += sum(s.recomputed for s in seqs)
 
     def _rescore(self, seqs: list[Sequence]) -> None:
         """Accumulate the KV-compression share of the mismatch over this step's re-scored tokens."""

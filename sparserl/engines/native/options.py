@@ -16,6 +16,8 @@ class NativeOptions:
     num_slots: int = 65536  # KV pool slots per layer
     max_num_seqs: int = 256  # sequences decoding at once
     max_batch_tokens: int = 8192  # tokens per forward: new prompts are prefilled while they fit
+    admission: str = "optimistic"  # optimistic | reserve: admit on the current need or the worst case (scheduler.py)
+    admission_watermark: float = 0.01  # optimistic: share of the pool an admission leaves free
     kv: KVPolicyConfig | None = None  # compression policy; None or algorithm=none keeps a dense cache
     release_weights: bool = False  # sleep() also drops the weights (the actor pushes fresh ones after every update)
     quantization: str = "none"  # none | int8 | w8a8 | fp8 (quantize.py)

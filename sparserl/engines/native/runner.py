@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from sparserl.model.attention import ForwardContext, Span, forward_context, use_packed_attention
+from sparserl.engines.kv_memory import entry_bytes
 from sparserl.engines.native.decode_cache import DecodeCache
 from sparserl.engines.native.graph_step import StaticDecode
 from sparserl.engines.native.prepack import Prepacker
@@ -157,8 +158,7 @@ class ModelRunner:
 
     @property
     def bytes_per_slot(self) -> int:
-        elt = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elt
+        return entry_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype.itemsize)
 
     def allocate(self) -> None:
         if self.k_cache is None:

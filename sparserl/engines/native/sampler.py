@@ -37,7 +37,7 @@ class Sampler:
     def sample_batch(self, logits: torch.Tensor, batch) -> tuple[list[Sequence], list[int], list[float]]:
         """An eager step's draw: `logits` has one row per computed sequence of the `ScheduledBatch` (decode, then
         prefill); a fork draws from its leader's row. First counts what the forward computed in `num_cached` (a fork:
-        its prompt). Returns the sequences in the order of the tokens and log-probs."""
+        its prompt). Returns the sequences that draw, in the order of the tokens and log-probs."""
         computed = batch.decode + batch.prefill
         for seq in computed:
             seq.num_cached += seq.num_pending
@@ -46,7 +46,10 @@ class Sampler:
         row_of = {id(s): i for i, s in enumerate(computed)}
         for seq in batch.forks:
             row_of[id(seq)] = row_of[id(seq.fork_of)]
-        sampled = computed + batch.forks
+        # A resumed sequence whose re-prefill stopped short of its last token (to compact) draws nothing yet.
+        sampled = [s for s in computed + batch.forks if s.num_cached == s.num_tokens]
+        if not sampled:
+            return [], [], []
         order = [row_of[id(s)] for s in sampled]
         rows = logits if order == list(range(len(logits))) else logits[torch.tensor(order, device=logits.device)]
         return (sampled, *self.sample(rows, sampled))

@@ -21,7 +21,7 @@ class Sequence:
     sample_index: int
     prompt: list[int]
     params: SamplingParams
-    reserve: int  # worst-case slots this sequence can ever hold; admission reserves it
+    reserve: int  # worst-case slots this sequence can ever hold (admission=reserve holds them for it)
     status: Status = Status.WAITING
     output: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
@@ -44,6 +44,16 @@ class Sequence:
     keep: bool = False
     reused: int = 0
     carry: Any = None
+    # Optimistic admission (scheduler.py): a retracted sequence gave its slots back and prefills prompt + output
+    # again. `replay_ends`: the logical lengths at which that re-prefill stops to compact the cache as it was
+    # compacted the first time (one per entry of `compressed_at`), so the rebuilt cache is the one that drew the
+    # tokens; empty for a dense cache. `retractable` is False where re-prefill cannot rebuild the cache (a
+    # compressed continuation of a held session: the earlier turns' compaction is not replayed); such a sequence is
+    # admitted on its worst case and never retracted.
+    replay_ends: list[int] = field(default_factory=list)
+    retractable: bool = True
+    retractions: int = 0
+    recomputed: int = 0  # tokens whose K/V a retraction threw away and a re-prefill computed again
     # Per-request generator state lives in the sampler, keyed by seq_id.
 
     @property
@@ -55,16 +65,27 @@ class Sequence:
         return len(self.prompt) + len(self.output)
 
     @property
+    def pending_end(self) -> int:
+        """Where the tokens of the next forward end: the next replay stop of a resumed sequence, else all tokens."""
+        return self.replay_ends[0] if self.replay_ends else len(self.prompt) + len(self.output)
+
+    @property
     def num_pending(self) -> int:
-        return len(self.prompt) + len(self.output) - self.num_cached
+        return self.pending_end - self.num_cached
+
+    @property
+    def decoding(self) -> bool:
+        """Only the last sample is pending: the sequence runs as one decode row."""
+        return self.num_cached > 0 and self.num_cached == len(self.prompt) + len(self.output) - 1
 
     @property
     def pending(self) -> list[int]:
-        """Tokens that must go through the model before the next sample: the prompt (prefill) or the last sample."""
-        p = len(self.prompt)
+        """Tokens that must go through the model before the next sample: the prompt (prefill), the last sample, or
+        a resumed sequence's next stretch of prompt + output."""
+        p, end = len(self.prompt), self.pending_end
         if self.num_cached >= p:  # decoding: only output tokens are pending (no copy of the whole history)
-            return self.output[self.num_cached - p :]
-        return self.prompt[self.num_cached :] + self.output
+            return self.output[self.num_cached - p : end - p]
+        return (self.prompt + self.output)[self.num_cached : end]
 
     @property
     def next_position(self) -> int:
