@@ -4,10 +4,14 @@ Qwen2.5-1.5B-shaped model with random weights, built on the device from a config
     python benchmarks/gpu_decode.py --device cuda                 # the GPU table
     python benchmarks/gpu_decode.py --device cpu --dry-run        # the same code on a tiny config, in seconds
 
-Tables (each engine built with `rollout.cuda_graphs` off = eager, on = static buffers captured as CUDA graphs):
+Tables (each engine built with `rollout.cuda_graphs` off = eager, on = static buffers captured as CUDA graphs), every
+row printed as soon as it is measured:
 1. Decode step: milliseconds per decode step (generate of N new tokens minus generate of 1, over N - 1 steps), host
-   launches per step (kernel and graph launches seen by the profiler, the same difference) and synchronizing calls
-   per step (CUDA's sync detector in `warn` mode, the same difference), at each batch.
+   launches per step (kernel and graph launches seen by the profiler, the same difference), synchronizing calls
+   per step (CUDA's sync detector in `warn` mode, the same difference) and event waits per step. The detector does
+   not see an event wait (`cudaEventSynchronize`), so a captured step shows 0 syncs: its one wait, after the
+   sampled tokens' copy, is counted by the step itself (`StaticDecode.waits`). Also the graph captures and the
+   seconds they took (`rollout/graph_capture_s`).
 2. Throughput: new tokens/s of the eager and captured engines and of transformers' `generate` (static batch) on the
    same prompts, against the step's floor: the decode GEMMs at M = batch (`benchmarks/common.py::matmul_floor`) plus
    one read of the batch's KV at its mean length, both timed in this run.
@@ -29,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import machine, matmul_floor, print_table, sync  # noqa: E402
+from benchmarks.common import machine, matmul_floor, sync  # noqa: E402
 from sparserl.engines.native.engine import NativeEngine  # noqa: E402
 from sparserl.engines.types import GenerationRequest, SamplingParams  # noqa: E402
 from sparserl.kv import KVPolicyConfig  # noqa: E402
@@ -66,15 +70,31 @@ def run(engine: NativeEngine, ps: list[list[int]], new_tokens: int) -> tuple[int
     return sum(len(g.token_ids) for g in gens), time.perf_counter() - t0
 
 
-def launches_and_syncs(engine: NativeEngine, ps: list[list[int]], new_tokens: int) -> tuple[int | None, int | None]:
-    """(host launches, synchronizing calls) of one generate of `new_tokens`; None where not measurable (CPU)."""
+class Table:
+    """A markdown table printed a row at a time, as the rows are measured (a stage cut short keeps what it printed)."""
+
+    def __init__(self, headers: list[str], title: str, note: str | None = None) -> None:
+        print(f"\n**{title}**\n", flush=True)
+        if note:
+            print(note + "\n", flush=True)
+        print("| " + " | ".join(headers) + " |", flush=True)
+        print("|" + "|".join("---" for _ in headers) + "|", flush=True)
+
+    def row(self, cells: list) -> None:
+        print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+
+
+def launches_syncs_waits(engine: NativeEngine, ps: list[list[int]], new_tokens: int) -> tuple[int, int, int] | None:
+    """(host launches, synchronizing calls, event waits) of one generate of `new_tokens`; None on CPU."""
     if engine.runner.device.type != "cuda":
-        return None, None
+        return None
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run(engine, ps, new_tokens)
     launches = sum(e.count for e in prof.key_averages() if "LaunchKernel" in e.key or "GraphLaunch" in e.key)
+    graphs = engine.runner.graphs
+    waits = graphs.waits if graphs is not None else 0
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -83,18 +103,23 @@ def launches_and_syncs(engine: NativeEngine, ps: list[list[int]], new_tokens: in
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = sum("synchroniz" in str(w.message).lower() for w in caught)
-    return launches, syncs
+    return launches, syncs, (graphs.waits - waits if graphs is not None else 0)
 
 
-def step_table(model, args, batches: list[int], new: int) -> list[list]:
-    """Rows of tables 1 and 2 for both engine modes; returns the throughput rows and prints table 1."""
-    rows1, rows2 = [], []
+def step_tables(model, args, batches: list[int], new: int) -> None:
+    """Tables 1 and 2, for both engine modes at each batch."""
     vocab, plen = model.config.vocab_size, args.prompt_len
     kv_bytes = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
         (model.config.hidden_size // model.config.num_attention_heads) * model.dtype.itemsize
+    steps = Table(["batch", "engine", "ms / decode step", "launches / step", "syncs / step (detector)",
+                   "event waits / step", "graph captures", "capture s"],
+                  f"Decode step ({new} new tokens after {plen}-token prompts)",
+                  "syncs: CUDA's sync detector, which does not see an event wait; event waits: counted by the "
+                  "static step (its one wait per step, after the sampled tokens' copy)")
+    rates = []
     for b in batches:
         ps = prompts(b, plen, vocab)
-        row2 = [b]
+        rate = [b]
         for mode in ("off", "on"):
             engine = NativeEngine(model, None, num_slots=b * (plen + new) + 64, max_num_seqs=b, cuda_graphs=mode,
                                   seed=0, eos_token_ids=[])
@@ -102,20 +127,20 @@ def step_table(model, args, batches: list[int], new: int) -> list[list]:
             _, t1 = run(engine, ps, 1)
             n, tn = run(engine, ps, new)
             step_ms = 1000 * max(tn - t1, 1e-9) / (new - 1)
-            l1, s1 = launches_and_syncs(engine, ps, 1)
-            l9, s9 = launches_and_syncs(engine, ps, 9)
-            per = (lambda a, c: "n/a" if a is None else f"{(c - a) / 8:.1f}")  # noqa: E731
-            rows1.append([b, "captured" if mode == "on" else "eager", f"{step_ms:.2f}", per(l1, l9), per(s1, s9)])
-            row2.append(f"{n / tn:.0f}")
+            one, nine = launches_syncs_waits(engine, ps, 1), launches_syncs_waits(engine, ps, 9)
+            per = ["n/a"] * 3 if one is None else [f"{(c - a) / 8:.1f}" for a, c in zip(one, nine)]
+            extra = engine.stats().extra
+            steps.row([b, "captured" if mode == "on" else "eager", f"{step_ms:.2f}", *per,
+                       int(extra.get("rollout/graph_captures", 0)), f"{extra.get('rollout/graph_capture_s', 0.0):.2f}"])
+            rate.append(f"{n / tn:.0f}")
             engine.sleep()  # the pool goes; the model (shared by every engine here) keeps its weights
-        row2.append(f"{hf_generate(model, ps, new):.0f}")
+        rates.append(rate)
+    table = Table(["batch", "eager tok/s", "captured tok/s", "HF generate tok/s", "floor tok/s", "floor ms / step"],
+                  "Decode throughput against transformers and the step's floor (GEMMs + one KV read)")
+    for b, rate in zip(batches, rates):  # the engines' rates from above; transformers and the floor measured now
+        hf = hf_generate(model, prompts(b, plen, vocab), new)
         floor_s = matmul_floor(model, [b], [b], repeats=3) + kv_read_seconds(b * (plen + new / 2) * kv_bytes, model.device)
-        row2.append(f"{b / floor_s:.0f}")
-        row2.append(f"{1000 * floor_s:.2f}")
-        rows2.append(row2)
-    print_table(["batch", "engine", "ms / decode step", "launches / step", "syncs / step"], rows1,
-                title=f"Decode step ({new} new tokens after {plen}-token prompts)")
-    return rows2
+        table.row(rate + [f"{hf:.0f}", f"{b / floor_s:.0f}", f"{1000 * floor_s:.2f}"])
 
 
 def kv_read_seconds(nbytes: float, device: torch.device) -> float:
@@ -147,7 +172,9 @@ def kv_table(model, args) -> None:
     new, plen, n = args.kv_new_tokens, args.kv_prompt_len, args.kv_requests
     pool = args.dense_fit * (plen + new)
     ps = prompts(n, plen, model.config.vocab_size, seed=1)
-    rows, dense_rate = [], None
+    table = Table(["KV", "requests", "pool slots", "peak running", "tok/s", "vs dense", "graph captures", "capture s"],
+                  f"KV compression at a fixed pool ({new} new tokens after {plen}-token prompts, graphs on)")
+    dense_rate = None
     for name, kv in (("dense", None), (f"rkv {args.kv_budget}",
                                         KVPolicyConfig(algorithm="rkv", budget=args.kv_budget, divide_length=args.kv_divide))):
         engine = NativeEngine(model, None, num_slots=pool, max_num_seqs=n, kv=kv, cuda_graphs="on", seed=0,
@@ -157,11 +184,9 @@ def kv_table(model, args) -> None:
         st = engine.stats()
         rate = toks / dt
         dense_rate = dense_rate or rate
-        rows.append([name, n, pool, st.peak_running, f"{rate:.0f}", f"{rate / dense_rate:.2f}",
-                     int(st.extra.get("rollout/graph_captures", 0))])
+        table.row([name, n, pool, st.peak_running, f"{rate:.0f}", f"{rate / dense_rate:.2f}",
+                   int(st.extra.get("rollout/graph_captures", 0)), f"{st.extra.get('rollout/graph_capture_s', 0.0):.2f}"])
         engine.sleep()
-    print_table(["KV", "requests", "pool slots", "peak running", "tok/s", "vs dense", "graph captures"], rows,
-                title=f"KV compression at a fixed pool ({new} new tokens after {plen}-token prompts, graphs on)")
 
 
 def sync_table(model) -> None:
@@ -179,10 +204,10 @@ def sync_table(model) -> None:
     push_s = time.perf_counter() - t0
     engine.wake()
     run(engine, ps, 4)
-    captures = int(engine.stats().extra.get("rollout/graph_captures", 0))
-    print_table(["weights MB", "push s", "graph captures (two generates)"],
-                [[f"{sum(v.numel() * v.element_size() for v in source.values()) / 2**20:.0f}", f"{push_s:.3f}", captures]],
-                title="Weight sync")
+    extra = engine.stats().extra
+    table = Table(["weights MB", "push s", "graph captures (two generates)", "capture s"], "Weight sync")
+    table.row([f"{sum(v.numel() * v.element_size() for v in source.values()) / 2**20:.0f}", f"{push_s:.3f}",
+               int(extra.get("rollout/graph_captures", 0)), f"{extra.get('rollout/graph_capture_s', 0.0):.2f}"])
 
 
 def main() -> None:
@@ -212,9 +237,7 @@ def main() -> None:
     print(f"machine: {machine()} | device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'} | "
           f"{'tiny' if args.dry_run else 'Qwen2.5-1.5B'}-shaped, random weights, {args.dtype}")
     if "step" in args.tables:
-        rows = step_table(model, args, args.batch, args.new_tokens)
-        print_table(["batch", "eager tok/s", "captured tok/s", "HF generate tok/s", "floor tok/s", "floor ms / step"],
-                    rows, title="Decode throughput against transformers and the step's floor (GEMMs + one KV read)")
+        step_tables(model, args, args.batch, args.new_tokens)
     if "kv" in args.tables:
         kv_table(model, args)
     if "sync" in args.tables:

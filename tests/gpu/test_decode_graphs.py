@@ -6,6 +6,7 @@ import torch
 
 from sparserl.engines.native.engine import NativeEngine
 from sparserl.engines.types import GenerationRequest, SamplingParams
+from sparserl.kernels import paged_decode
 from sparserl.kv import KVPolicyConfig
 from tests.conftest import tiny_model
 
@@ -51,6 +52,8 @@ def test_replayed_steps_equal_the_uncaptured_static_step(family, kv, dtype):
     graphs = captured.runner.graphs
     assert graphs.captures == len(graphs.graphs) >= 3  # one per bucket met: 5, 4, 2, 1 rows as the batch drains
     assert captured.stats().extra["rollout/graph_captures"] == graphs.captures
+    assert captured.stats().extra["rollout/graph_capture_s"] == graphs.capture_s > 0
+    assert graphs.waits > 30 and uncaptured.runner.graphs.waits == graphs.waits  # one event wait per static step
 
 
 @pytest.mark.parametrize("family,kv", [("llama", None), ("qwen2", None), ("llama", RKV)])
@@ -104,3 +107,24 @@ def test_decode_steps_and_draw_do_not_sync_and_recapture_after_sleep():
     engine.wake()
     rollout(engine)
     assert graphs.captures > captured
+
+
+def test_the_kernel_probe_passes_here_and_the_step_takes_the_kernel():
+    """The launch probe (gcc and Python.h for triton's launcher, one tiny launch of both kernels) on this machine."""
+    assert paged_decode.launch_problem(torch.device("cuda", torch.cuda.current_device())) is None
+    engine = make("on", dtype=torch.bfloat16)
+    assert engine.runner.graphs.attention.use_kernel  # tiny_model's head size 16: a power of two the kernel takes
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_an_engine_on_the_second_device_while_the_first_is_current():
+    """The step enters its engine's device: the event it waits on and the capture are on cuda:1, so tokens are read
+    after their copy lands; the rollout equals the same one on cuda:0."""
+    torch.cuda.set_device(0)
+    on0 = rollout(make("on"))
+    model = tiny_model("llama").to("cuda:1")
+    engine = NativeEngine(model, num_slots=2048, eos_token_ids=[], cuda_graphs="on", max_num_seqs=5)
+    on1 = rollout(engine)
+    assert torch.cuda.current_device() == 0
+    assert [g.token_ids for g in on1] == [g.token_ids for g in on0]
+    assert engine.runner.graphs.captures > 0

@@ -146,6 +146,18 @@ def test_bf16_close_to_fp32():
 
 
 @needs_kernel
+@pytest.mark.parametrize("split_len", [None, 32], ids=["default", "3-splits"])
+def test_engine_shape_qwen25_1p5b(split_len):
+    """What the GPU check's model launches in the static step: 12 query heads over 2 KV heads, D = 128, bf16 pools,
+    an int32 table and int64 lengths, padding rows of length 0; the default launch and one with splits."""
+    case = make_case(4, 12, 2, 128, 96, [96, 41, 0, 1], seed=9, dtype=torch.bfloat16)
+    out = paged_decode_attention(*case, split_len=split_len)
+    fp32 = [t.float() if t.is_floating_point() else t for t in case]
+    torch.testing.assert_close(out.float(), reference_decode_attention(*fp32), atol=2e-2, rtol=2e-2)
+    assert out[2].abs().max() == 0
+
+
+@needs_kernel
 def test_strided_query_and_out_of_range_lengths():
     q, k_pool, v_pool, table, lengths = make_case(3, 4, 2, 16, 20, [20, 4, 0], seed=7)
     qkv = torch.cat([q, torch.randn_like(q)], dim=1)  # q as a strided slice of a wider projection
