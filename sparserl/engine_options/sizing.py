@@ -11,13 +11,12 @@ is of the memory free before the engine is built; SGLang's `mem_fraction_static`
 from __future__ import annotations
 
 import gc
-import math
 from dataclasses import dataclass
 
 import torch
 
 from sparserl.config import Config
-from sparserl.engines.kv_memory import entry_bytes, mb, parse_kv_memory
+from sparserl.engines.kv_memory import at_least, entry_bytes, mb, parse_kv_memory
 from sparserl.kv import CompressionSchedule, KVPolicyConfig
 from sparserl.utils.errors import UserError
 from sparserl.utils.memory import release_free_memory
@@ -84,8 +83,8 @@ def memory_slots(cfg: Config, model_path: str, device: torch.device, longest: Se
         form = "compressed (the compression bound)" if kv.algorithm != "none" else "dense"
         raise UserError(f"{key} ({mb(nbytes)}) holds {slots} KV entries of {per_entry} B, but one {form} sequence of "
                         f"the longest prompt ({longest.prompt} tokens) + max_new_tokens {longest.max_new_tokens} "
-                        f"needs {need}: raise rollout.kv_memory to at least "
-                        f"{math.ceil(need * per_entry / 2**20 * 10) / 10:g}MB, or lower max_new_tokens")
+                        f"needs {need}: raise rollout.kv_memory to at least {at_least(need * per_entry)}, or lower "
+                        "max_new_tokens")
     return slots
 
 

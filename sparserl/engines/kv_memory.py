@@ -82,5 +82,10 @@ def entry_bytes(num_layers: int, num_kv_heads: int, head_dim: int, element_bytes
 
 
 def mb(nbytes: float) -> str:
-    """Bytes as the start-up lines print them: MB with one decimal (2**20 bytes)."""
-    return f"{nbytes / 2**20:.1f} MB"
+    """Bytes as the start-up lines print them: MB with one decimal (2**20 bytes), KB below one MB."""
+    return f"{nbytes / 2**20:.1f} MB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KB"
+
+
+def at_least(nbytes: float) -> str:
+    """The smallest `rollout.kv_memory` in MB, to two decimals, that holds `nbytes`."""
+    return f"{math.ceil(nbytes / 2**20 * 100) / 100:g}MB"

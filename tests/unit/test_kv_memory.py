@@ -93,9 +93,11 @@ def test_a_memory_that_holds_no_sequence_is_one_error_line(model_dir, capsys):
         run_main(lambda: memory_slots(cfg, model_dir, torch.device("cpu"), SequenceSize(30, 64)))
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: rollout.kv_memory=32KB (0.0 MB) holds 64 KV entries of 512 B")
+    assert err.count("\n") == 1 and err.startswith("error: rollout.kv_memory=32KB (32.0 KB) holds 64 KV entries of 512 B")
     assert "one dense sequence of the longest prompt (30 tokens) + max_new_tokens 64 needs 93" in err
-    assert "raise rollout.kv_memory to at least 0.1MB" in err
+    assert "raise rollout.kv_memory to at least 0.05MB" in err  # 93 x 512 B = 46.5 KB
+    assert memory_slots(cfg_of("rollout.kv_memory=0.05MB", "rollout.max_new_tokens=64"), model_dir,
+                        torch.device("cpu"), SequenceSize(30, 64)) == 102
     # The same memory holds a compressed sequence: its bound is what must fit.
     sparse = cfg_of("rollout.kv_memory=32KB", "rollout.max_new_tokens=64", "rollout.kv.algorithm=rkv",
                     "rollout.kv.budget=32", "rollout.kv.divide_length=16", "rollout.kv.window=4")

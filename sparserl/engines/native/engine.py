@@ -298,7 +298,8 @@ class NativeEngine:
 
     def _make_room(self, head: Sequence, shortfall: int, waiting) -> int:
         """The scheduler's eviction hook: drop held sessions (`sessions.choose_victims`) so that `shortfall`
-        slots come free for `head`; returns the slots freed (0: nothing dropped)."""
+        slots come free for `head` (None: for the running sequences' next tokens); returns the slots freed (0:
+        nothing dropped)."""
         fits = lambda seq: self._reserve(len(seq.prompt), seq.params.max_new_tokens) <= self.num_slots  # noqa: E731
         freed = 0
         for victim in choose_victims(self.sessions.least_recently_used(), waiting, head, shortfall, fits):

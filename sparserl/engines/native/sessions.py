@@ -6,6 +6,9 @@ compression on, the compressor's state (`Carry`). The next turn's request under 
 those tokens; it starts with the held slots and prefills only the rest. The policy:
 
 - Held sessions count against the pool exactly like the slots of running sequences: admission sees them.
+  Under optimistic admission (scheduler.py), when the running sequences' next tokens do not fit, the same
+  policy drops sessions first (`head` None below); only then are running sequences retracted. A retracted
+  sequence that continued a session has lost the held slots with its own and re-prefills its whole history.
 - Pool pressure: when a waiting sequence does not fit, the slots the running sequences reserve would leave
   room for it, and dropping sessions would free enough, the engine drops idle sessions, least recently used
   first, then sessions queued to continue in this very call, latest in the queue first (their sequences
