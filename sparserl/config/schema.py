@@ -337,17 +337,25 @@ def _k_within_n(ev: Any, p: str) -> None:
         raise ConfigError(f"{p}.k={show(list(ev.k))}: every k must be in [1, {p}.n={ev.n}] (pass@k needs n >= k samples)")
 
 
+def _greedy_is_one_sample(ev: Any, p: str) -> None:
+    if ev.n > 1 and ev.temperature == 0:
+        raise ConfigError(f"{p}.n={ev.n} at {p}.temperature=0: greedy decoding draws the same response {ev.n} times, "
+                          f"so pass@k would be pass@1; set {p}.temperature > 0 (e.g. {p}.temperature=0.6 "
+                          f"{p}.top_p=0.95) for pass@k, or {p}.n=1")
+
+
 @dataclass
 class EvalConfig:
     """`python -m sparserl.eval` and evaluation during training (trainer.eval_every); see sparserl/eval/."""
 
-    RELATIONS: ClassVar[tuple] = (_k_within_n,)
+    RELATIONS: ClassVar[tuple] = (_k_within_n, _greedy_is_one_sample)
 
     datasets: list[Any] = opt([], "Shared eval sets by name (gsm8k, math500, aime24, amc23, minerva, "
-                                  "olympiadbench, gaokao2023en, mawps) or {name, path, prompt_key, answer_key, "
-                                  "answer_extract, env, suffix} entries (a known name fills the rest).")
+                                  "olympiadbench, gaokao2023en, mawps), env (held-out prompts of env.path's "
+                                  "make_prompts: the task a run trained on), or {name, path, prompt_key, answer_key, "
+                                  "answer_extract, env, suffix, generate} entries (a known name fills the rest).")
     data_dir: str = opt("", "where the named sets live; empty: the package's own copy (sparserl/data/eval)")
-    n: int = opt(1, "samples per prompt", rule=COUNT)
+    n: int = opt(1, "samples per prompt (> 1 needs eval.temperature > 0)", rule=COUNT)
     k: list[int] = opt([1], "pass@k for each k (1 <= k <= n)", rule=each(COUNT, min_len=1))
     temperature: float = opt(0.0, "0 = greedy", rule=NON_NEG)
     top_p: float = opt(1.0, rule=within("(0, 1]"))

@@ -21,7 +21,7 @@ from sparserl.eval.datasets import load_eval_sets
 from sparserl.eval.model import resolve_eval_model
 from sparserl.eval.report import format_table, settings, write_outputs
 from sparserl.eval.run import evaluate, format_prompts
-from sparserl.eval.run_settings import take_run_settings
+from sparserl.eval.run_settings import command_line_keys, run_folder, take_run_settings
 from sparserl.parallel import ParallelDims, init_distributed
 from sparserl.actor.hf import load_tokenizer
 from sparserl.engine_options.checks import check_engine
@@ -44,6 +44,17 @@ def pool_slots(cfg: Config, lengths: list[int], seqs_per_rank: int, model_path: 
     return max(1, min(seqs_per_rank, cfg.rollout.max_num_seqs)) * (max(lengths) + cfg.eval.max_new_tokens)
 
 
+def env_path(cfg: Config, argv: list[str]) -> str:
+    """The env of the `env` eval set (eval/datasets.py): the evaluated run's env.path unless the command line sets one."""
+    run = run_folder(cfg.model.path)
+    if run is None or "env.path" in command_line_keys(argv):
+        return cfg.env.path
+    import yaml
+
+    saved = ((yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {}).get("env") or {}).get("path")
+    return str(saved) if saved else cfg.env.path
+
+
 def run(cfg: Config, argv: list[str] | None = None) -> None:
     """`argv`: the command line `cfg` was loaded from; the keys it sets keep their values over a run's."""
     newest = follow_latest(cfg.model.path)  # a folder of runs (outputs/grpo): the run its `latest` points to
@@ -53,7 +64,8 @@ def run(cfg: Config, argv: list[str] | None = None) -> None:
     cfg, taken = take_run_settings(cfg, list(sys.argv[1:] if argv is None else argv))
     for line in taken:
         log0(line)
-    sets = load_eval_sets(cfg.eval)  # user errors surface here, before anything is written
+    args = list(sys.argv[1:] if argv is None else argv)
+    sets = load_eval_sets(cfg.eval, env_path(cfg, args))  # user errors surface here, before anything is written
     model = resolve_eval_model(cfg.model.path)
     check_engine(cfg)
     info = init_distributed(cfg.parallel.device, cfg.parallel.backend)

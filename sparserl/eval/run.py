@@ -2,7 +2,8 @@
 through each set's env, gather every sample on every rank, compute the metrics.
 
 A sample's draws depend only on (eval.seed, the set's name, the prompt's row in its file, the sample index):
-the set name and eval.seed make `SamplingParams.seed`, the row index is the request's `seed_index`. Prompt i
+the set name and eval.seed make `SamplingParams.seed`, the row index is the request's `seed_index`. Rank 0 draws
+one progress bar over every set, with its time estimate (a plain line every 30 s where stderr is not a terminal). Prompt i
 goes to data-parallel rank i % dp, and results are ordered by (row, sample) after the gather, so 1 or N
 processes give the same samples and the same numbers. With tp or cp > 1 the owner of each replica group evaluates
 and hands the result to its peers, which neither generate nor run an env (engines/handle.py `on_owner`); the
@@ -12,6 +13,7 @@ Left out on purpose: caching generations across calls, early stopping on a confi
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -23,10 +25,12 @@ from sparserl.data.dataset import format_prompt
 from sparserl.eval.datasets import EvalSet
 from sparserl.eval.metrics import SampleRecord, dataset_metrics
 from sparserl.engines.handle import EngineHandle
+from sparserl.engines.protocol import supports_sessions
 from sparserl.engines.types import SamplingParams
 from sparserl.rollout.episode import Sample
 from sparserl.rollout.worker import Rollouts
 from sparserl.utils.errors import UserError
+from sparserl.utils.logging import progress
 from sparserl.utils.seed import derive
 
 
@@ -82,26 +86,48 @@ def evaluate(engine: EngineHandle, tokenizer, cfg: Config, sets: list[EvalSet], 
     return engine.on_owner(lambda e: _evaluate(e, tokenizer, cfg, sets, texts, dp_rank, dp_size, group, rank))
 
 
+class _Counted:
+    """The engine, each finished sequence advancing the evaluation's one progress bar (sessions pass through)."""
+
+    def __init__(self, engine, bar) -> None:
+        self.engine, self.bar = engine, bar
+        self.supports_sessions = supports_sessions(engine)
+
+    def generate(self, requests, progress=None):
+        return self.engine.generate(requests, progress=self.bar.update)
+
+    def end_sessions(self, session_ids=None):
+        return self.engine.end_sessions(session_ids)
+
+
 def _evaluate(engine, tokenizer, cfg: Config, sets: list[EvalSet], texts: list[list[str]], dp_rank: int, dp_size: int,
               group, rank: int) -> EvalResult:
     engine.wake()
     result = EvalResult()
     kv_bytes = getattr(engine.stats(), "kv_bytes_per_slot", 0)
-    for s, set_texts in zip(sets, texts):
-        t0 = time.perf_counter()
-        params = sampling_params(cfg, s.name)
-        roll = Rollouts.from_config(cfg, engine, tokenizer, s.env, params, rank, lines_every_s=30.0)
-        mine = list(range(dp_rank, len(s.rows), dp_size))
-        rows, prompts = [s.rows[i] for i in mine], [set_texts[i] for i in mine]
-        samples, _ = roll(rows, prompts, [r.index for r in rows], f"eval {s.name}")
-        # Samples come in prompt order, `n` per prompt, in sample order (worker contract).
-        local = [_record(s.name, rows[j // params.n], prompts[j // params.n], sample, j % params.n, tokenizer, s.env)
-                 for j, sample in enumerate(samples)]
-        records = sorted(_gather(local, group), key=lambda r: (r.index, r.sample))
-        result.records[s.name] = records
-        result.metrics[s.name] = dataset_metrics(records, params.n, list(cfg.eval.k), s.env.extract_answer is not None, kv_bytes)
-        result.seconds[s.name] = time.perf_counter() - t0
+    shares = [list(range(dp_rank, len(s.rows), dp_size)) for s in sets]
+    # One bar for the whole evaluation (rank 0's share: every rank has about as many), with its time estimate.
+    with progress(sum(len(m) for m in shares) * cfg.eval.n, "eval", rank, cfg.logger.progress, lines_every_s=30.0) as bar:
+        for s, set_texts, mine in zip(sets, texts, shares):
+            bar.set_description(f"eval {s.name}")
+            _evaluate_set(_Counted(engine, bar), tokenizer, cfg, s, set_texts, mine, group, rank, kv_bytes, result)
     return result
+
+
+def _evaluate_set(engine, tokenizer, cfg: Config, s: EvalSet, set_texts: list[str], mine: list[int], group, rank: int,
+                  kv_bytes: int, result: EvalResult) -> None:
+    t0 = time.perf_counter()
+    params = sampling_params(cfg, s.name)
+    roll = dataclasses.replace(Rollouts.from_config(cfg, engine, tokenizer, s.env, params, rank), show_progress=False)
+    rows, prompts = [s.rows[i] for i in mine], [set_texts[i] for i in mine]
+    samples, _ = roll(rows, prompts, [r.index for r in rows], f"eval {s.name}")
+    # Samples come in prompt order, `n` per prompt, in sample order (worker contract).
+    local = [_record(s.name, rows[j // params.n], prompts[j // params.n], sample, j % params.n, tokenizer, s.env)
+             for j, sample in enumerate(samples)]
+    records = sorted(_gather(local, group), key=lambda r: (r.index, r.sample))
+    result.records[s.name] = records
+    result.metrics[s.name] = dataset_metrics(records, params.n, list(cfg.eval.k), s.env.extract_answer is not None, kv_bytes)
+    result.seconds[s.name] = time.perf_counter() - t0
 
 
 def flat_metrics(result: EvalResult) -> dict[str, float]:

@@ -68,7 +68,7 @@ def validate_inputs(cfg: Config, runs_root: str = GRPO_ROOT) -> Inputs:
         raise UserError(str(e)) from None
     if not rows and not openreward:
         raise UserError(f"data.train_path={cfg.data.train_path}: no rows")
-    eval_sets = load_eval_sets(cfg.eval) if cfg.trainer.eval_every > 0 else []
+    eval_sets = load_eval_sets(cfg.eval, cfg.env.path) if cfg.trainer.eval_every > 0 else []
     from sparserl.actor.hf import resolve_model_path  # imports torch, so it comes last
 
     check_not_adapter(cfg.model.path)

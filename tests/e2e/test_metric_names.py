@@ -29,7 +29,7 @@ def test_every_logged_key_is_documented(tiny_checkpoint, tmp_path):
             "+preset": "sparse_rl", "rollout.kv.budget": 8, "rollout.kv.window": 2, "rollout.kv.divide_length": 4,
             "rollout.rescore_seqs": 1, "algo.kl.coef": 0.01, "algo.dual_clip": 3, "algo.entropy_coef": 0.01,
             "actor.updates_per_rollout": 2, "trainer.eval_every": 1, "eval.datasets": "[gsm8k]", "eval.limit": 2,
-            "eval.n": 2, "eval.k": "[1,2]", "eval.max_new_tokens": 8}
+            "eval.n": 2, "eval.k": "[1,2]", "eval.temperature": 1.0, "eval.max_new_tokens": 8}
     res = trainer([f"{k}={v}" for k, v in args.items()])
     assert res.returncode == 0, res.stderr[-3000:]
     rows = read_metrics(out)
