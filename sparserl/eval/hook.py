@@ -34,8 +34,8 @@ class TrainEval:
             longest = max(len(ids) for t in self.texts for ids in tokenizer(t, add_special_tokens=False)["input_ids"])
             if longest + cfg.eval.max_new_tokens > slots:
                 raise UserError(f"eval: a prompt of {longest} tokens plus eval.max_new_tokens={cfg.eval.max_new_tokens} "
-                                f"does not fit the rollout engine's KV pool of {slots} slots; raise rollout.kv_pool_tokens "
-                                "or lower eval.max_new_tokens")
+                                f"does not fit the rollout engine's KV pool of {slots} slots; raise rollout.kv_memory "
+                                "(or rollout.kv_pool_tokens) or lower eval.max_new_tokens")
 
     def run(self, step: int) -> dict[str, float]:
         result = evaluate(self.engine, self.tokenizer, self.cfg, self.sets, self.texts, self.dp.get_local_rank(),
