@@ -53,7 +53,8 @@ def test_page_holds_every_step_and_nothing_remote(run):
         on_disk = [json.loads(x) for x in (run / "samples" / f"step_{s['step']}.jsonl").read_text().splitlines()]
         assert s["records"] == on_disk and len(on_disk) == 3
     assert any(r["compressed_at"] for s in data["steps"] for r in s["records"])
-    assert data["config"]["rollout.kv.algorithm"] == "rkv"
+    assert data["config"]["rollout.kv.algorithm"] == "rkv" and data["config"]["rollout.kv.compress_prompt"] == "true"
+    assert "stopped at step" not in page and "<th>steps</th><td>3 of 3</td>" in page  # the summary in the header
     # Self-contained: the curves are a data: image, scripts and styles are inline, nothing is fetched.
     assert re.search(r'<img id="curves"[^>]*src="data:image/svg\+xml;base64,', page)
     assert not re.search(r'(src|href)\s*=\s*["\']?(https?:|//)', page) and "@import" not in page and "url(http" not in page
