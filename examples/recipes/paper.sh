@@ -7,6 +7,11 @@
 #   MODEL_PATH=/ckpt/Qwen2.5-1.5B DATA=simplelr_qwen_level3to5 MODE=sparse_rl bash examples/recipes/paper.sh
 #
 # MODE: dense | naive_sparse | sparse_rl (configs/preset/). Extra arguments are passed on as overrides.
+# GPUS (default 4): the GPU count, torchrun's --nproc_per_node; trainer.prompts_per_step=128 must divide by
+#   GPUS / (parallel.tp x parallel.cp). RUN (default outputs/<model>-<mode>): the run folder; a rerun into one that
+#   holds a run needs trainer.resume=auto (continue) or trainer.overwrite=true (start over).
+# Engine: the native one (rollout.engine=native, the default); memory per GPU for each model and GPU count,
+#   and when parallel.tp helps: docs/training.md#on-gpus-which-engine-how-many-gpus-how-much-memory
 set -euo pipefail
 : "${MODEL_PATH:?set MODEL_PATH to a Hugging Face checkpoint folder}"
 DATA=${DATA:-simplelr_qwen_level3to5}
