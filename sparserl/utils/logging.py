@@ -62,6 +62,8 @@ def format_step_line(step: int, metrics: dict[str, Any], total_steps: int | None
     if "reward/mean" in m:
         std = f"±{m['reward/std']:.2f}" if "reward/std" in m else ""
         parts.append(f"reward {m['reward/mean']:.3f}{std}")
+    for key in sorted(k for k in m if k.startswith("eval/") and k.split("/")[-1].startswith("avg@")):
+        parts.append(f"eval {key.split('/')[1]} {key.split('/')[-1]} {m[key]:.3f}")  # eval/<set>/avg@<n>
     if "response/len_mean" in m:
         parts.append(f"len {m['response/len_mean']:.1f}")
     if "mismatch/kl" in m:

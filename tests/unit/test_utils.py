@@ -50,6 +50,9 @@ def test_format_step_line_uses_standard_keys():
                                 "perf/step_s": 12.31, "perf/rollout_s": 8.08, "other": 1.0}, total_steps=20)
     assert line == ("step 3/20 | reward 0.312±0.41 | len 18.2 | kl(mismatch) 1.2e-06 | rejected 5.0% | "
                     "kv 31.2% | loss -0.0131 | gnorm 0.52 | 12.3 s (rollout 8.1)")
+    # The evaluation row of step 0 (trainer.eval_every): its accuracy, not a bare step number.
+    assert format_step_line(0, {"eval/env/avg@1": 0.9375, "eval/env/pass@1": 0.9375, "eval/time_s": 16.1},
+                            total_steps=8) == "step 0/8 | eval env avg@1 0.938"
 
 
 def test_tensor_metric_must_be_scalar(tmp_path):
