@@ -12,8 +12,9 @@ from tests.conftest import tiny_model
 PROMPTS = [[1, 5, 7], [2, 8, 4, 4], [9, 3, 6, 1, 2], [4, 4, 10], [6, 11, 12, 13], [7, 2]]
 RKV = KVPolicyConfig(algorithm="rkv", budget=12, window=4, divide_length=6, kernel=3)
 # The engine is not batch-invariant to the last bit: the same sequences in other batches (max_num_seqs=1 against all
-# at once) move log-probs by ~5e-7 here, and a retraction changes the batches, so log-probs are compared to 1e-6.
-LOGP_TOL = 1e-6
+# at once) move log-probs by ~5e-7 here (one or two float32 ulps at |logp| ~ 5), and a retraction changes the
+# batches, so log-probs are compared to 1e-5, as a dense generation of a compressing engine is.
+LOGP_TOL = 1e-5
 
 
 def generate(num_slots, kv=None, max_new=24, n=2, admission="optimistic", eos=()):
