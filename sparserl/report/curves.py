@@ -6,7 +6,8 @@ a correction switched on mid-way) is drawn where it is present. A panel of share
 a dense cache) has a fixed [0, 1] axis, so a flat 100% stays flat instead of being stretched over an auto-scaled
 0.96-1.04. The reward's ±std band is kept inside [0, 1] when every step's mean and std are those of rewards in
 [0, 1] (the Bhatia-Davis bound std^2 <= mean (1 - mean)), as for a 0/1 reward; `score/mean` is left out where it
-equals `reward/mean` at every step (the legend says so). Text is drawn as paths, so the SVG needs no font on the
+equals `reward/mean` at every step, as any key whose curve an earlier key of its panel already draws (the legend
+names it: `actor/loss (= actor/pg_loss)` without a KL or entropy term, `avg@1 (= pass@1, maj@1)` with one sample). Text is drawn as paths, so the SVG needs no font on the
 reader's machine.
 
 Left out on purpose: smoothing (scripts/plot_metrics.py --smooth), comparing runs in one figure, and interactive
@@ -28,6 +29,7 @@ class Panel:
     share: bool = False  # values in [0, 1]: a fixed [0, 1] axis
     pattern: str = ""  # a regex: every logged key that matches it is drawn as well (phases, eval sets)
     scale: str = "linear"
+    from_zero: bool = False  # an amount (GB, seconds): the axis starts at 0, so a few bytes' change stays small
 
 
 PANELS: tuple[Panel, ...] = (
@@ -45,10 +47,11 @@ PANELS: tuple[Panel, ...] = (
     Panel("correction: IS weights", ("correction/weight_mean", "correction/weight_min", "correction/weight_max",
                                      "correction/ess")),
     Panel("KV cache kept (share of a dense cache)", ("kv/retained_frac",), share=True),
-    Panel("memory (GB)", ("mem/peak_gb", "mem/rss_gb", "kv/peak_gb")),
-    Panel("memory peak per phase (GB)", (), pattern=r"^mem/(?!peak_gb)\w+_peak_gb$"),
+    Panel("memory per process (GB)", ("mem/peak_gb", "mem/rss_gb"), from_zero=True),
+    Panel("KV cache: peak memory (GB)", ("kv/peak_gb",), from_zero=True),
+    Panel("memory peak per phase (GB)", (), pattern=r"^mem/(?!peak_gb)\w+_peak_gb$", from_zero=True),
     Panel("evaluation (share correct)", (), share=True, pattern=r"^eval/[^/]+/(avg|pass|maj)@\d+$"),
-    Panel("time per step (s)", ("perf/step_s", "perf/rollout_s", "perf/update_s")),
+    Panel("time per step (s)", ("perf/step_s", "perf/rollout_s", "perf/update_s"), from_zero=True),
 )
 
 
@@ -85,14 +88,20 @@ def same_series(rows: list[dict], a: str, b: str) -> bool:
 
 
 def panels_present(rows: list[dict]) -> list[tuple[Panel, list[str]]]:
+    """Each panel with data and its keys; a key whose curve equals an earlier key's of the panel is left out
+    (`same_as` names it in the legend)."""
     out = []
     for panel in PANELS:
         keys = _keys(panel, rows)
-        if panel.title == "reward" and {"reward/mean", "score/mean"} <= set(keys) and same_series(rows, "reward/mean", "score/mean"):
-            keys.remove("score/mean")  # the same line twice (no KL penalty in the reward): the legend says so
+        keys = [k for i, k in enumerate(keys) if not any(same_series(rows, j, k) for j in keys[:i])]
         if keys:
             out.append((panel, keys))
     return out
+
+
+def same_as(panel: Panel, keys: list[str], key: str, rows: list[dict]) -> list[str]:
+    """The panel's keys left out because their curve is `key`'s."""
+    return [k for k in _keys(panel, rows) if k not in keys and same_series(rows, key, k)]
 
 
 def reward_band(rows: list[dict]) -> tuple[list[int], list[float], list[float]] | None:
@@ -126,9 +135,8 @@ def curves_svg(rows: list[dict], columns: int = 4) -> str:
             for i, key in enumerate(keys):
                 steps, values = series(rows, key)
                 marker = "o" if len(steps) < 30 else None
-                label = key
-                if key == "reward/mean" and "score/mean" not in keys and series(rows, "score/mean")[0]:
-                    label = "reward/mean (= score/mean)"
+                twins = same_as(panel, keys, key, rows)
+                label = f"{key} (= {', '.join(twins)})" if twins else key
                 ax.plot(steps, values, label=label, linewidth=2.0 if i == 0 else 1.2, marker=marker, markersize=3)
                 if key == "reward/mean":
                     band = reward_band(rows)
@@ -138,6 +146,8 @@ def curves_svg(rows: list[dict], columns: int = 4) -> str:
             ax.set_yscale(panel.scale)
             if panel.share:
                 ax.set_ylim(-0.02, 1.02)
+            elif panel.from_zero:
+                ax.set_ylim(bottom=0)
             ax.set_xlabel("step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from sparserl.report.curves import panels_present, reward_band
+from sparserl.report.curves import panels_present, reward_band, same_as
 from sparserl.report.page import build_report, read_config, summary
 
 
@@ -14,7 +14,7 @@ def rows(steps=4, score_equal=True):
     for s in range(1, steps + 1):
         m = 0.25 * s / steps
         out.append({"step": s, "reward/mean": m, "reward/std": (m * (1 - m)) ** 0.5, "score/mean": m if score_equal else m / 2,
-                    "actor/loss": 0.1, "actor/entropy": 1.5 - 0.1 * s, "actor/clip_frac": 0.01, "actor/grad_norm": 2.0,
+                    "actor/loss": 0.1, "actor/pg_loss": 0.1, "actor/entropy": 1.5 - 0.1 * s, "actor/clip_frac": 0.01, "actor/grad_norm": 2.0,
                     "mem/peak_gb": 2.0, "mem/rss_gb": 1.5, "kv/peak_gb": 0.01, "mem/rollout_peak_gb": 1.9,
                     "mem/update_peak_gb": 2.0, "mem/peak_gb_max_rank": 2.1, "kv/retained_frac": 0.5, "perf/step_s": 30.0})
     out.insert(0, {"step": 0, "eval/env/avg@1": 0.6})
@@ -27,8 +27,10 @@ def test_new_panels_are_drawn_and_shares_have_a_fixed_axis():
     assert panels["actor: entropy (nats per token)"][1] == ["actor/entropy"]
     assert panels["actor: clipped token shares"][1] == ["actor/clip_frac"] and panels["actor: clipped token shares"][0].share
     assert panels["actor: grad norm (before clipping)"][1] == ["actor/grad_norm"]
-    assert panels["actor: loss"][1] == ["actor/loss"]
-    assert panels["memory (GB)"][1] == ["mem/peak_gb", "mem/rss_gb", "kv/peak_gb"]
+    panel, keys = panels["actor: loss"]
+    assert keys == ["actor/loss"] and same_as(panel, keys, "actor/loss", rows()) == ["actor/pg_loss"]  # drawn once
+    assert panels["memory per process (GB)"][1] == ["mem/peak_gb", "mem/rss_gb"]
+    assert panels["KV cache: peak memory (GB)"][1] == ["kv/peak_gb"]
     assert panels["memory peak per phase (GB)"][1] == ["mem/rollout_peak_gb", "mem/update_peak_gb"]
     assert panels["evaluation (share correct)"][1] == ["eval/env/avg@1"] and panels["evaluation (share correct)"][0].share
     assert panels["KV cache kept (share of a dense cache)"][0].share
