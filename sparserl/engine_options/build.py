@@ -15,7 +15,7 @@ import gc
 import torch
 
 from sparserl.config import Config
-from sparserl.engine_options.sizing import SequenceSize, memory_slots, pool_line
+from sparserl.engine_options.sizing import SequenceSize, kv_policy_lines, memory_slots, pool_line
 from sparserl.engines.native.options import NativeOptions
 from sparserl.engines.protocol import RolloutEngine
 from sparserl.engines.registry import build_engine
@@ -100,6 +100,8 @@ def build_rollout_engine(cfg: Config, model_path: str, tokenizer, device: torch.
     if longest is not None and st.pool_slots and st.kv_bytes_per_slot:
         log0(f"rollout engine {cfg.rollout.engine}: {pool_line(cfg, st.pool_slots, st.kv_bytes_per_slot, longest)} per "
              f"engine{free}")
+        for line in kv_policy_lines(cfg, longest):
+            log0(line)
     else:
         log0(f"rollout engine {cfg.rollout.engine}: KV pool {st.pool_slots} tokens x {st.kv_bytes_per_slot} B = "
              f"{st.pool_slots * st.kv_bytes_per_slot / 2**30:.3f} GiB per engine{free}")

@@ -18,6 +18,7 @@ import torch
 from sparserl.config import Config
 from sparserl.engines.kv_memory import at_least, entry_bytes, mb, parse_kv_memory
 from sparserl.kv import CompressionSchedule, KVPolicyConfig
+from sparserl.kv.schedule import keep_floor
 from sparserl.utils.errors import UserError
 from sparserl.utils.memory import release_free_memory
 
@@ -107,3 +108,31 @@ def pool_is_sized(cfg: Config) -> bool:
     """Whether the run sets the pool (`rollout.kv_memory` or `rollout.kv_pool_tokens`); the default pool holds every
     sequence of a step at its worst case, so nothing is ever retracted in it."""
     return parse_kv_memory(cfg.rollout.kv_memory).is_set or cfg.rollout.kv_pool_tokens > 0
+
+
+def kv_policy_lines(cfg: Config, longest: SequenceSize) -> list[str]:
+    """What the run's KV policy does, said once at start-up: the policy and its budget, what the console's `kv` figure
+    reads, and a budget no sequence can reach (then nothing is compressed)."""
+    kv = cfg.rollout.kv
+    if kv.algorithm == "none":
+        return ["KV cache: dense (rollout.kv.algorithm=none); the console's kv figure stays at 100%"]
+    policy = kv.with_budget()
+    budget = (f"budget auto ({policy.control.floor}-{policy.control.ceiling}, from {policy.budget})"
+              if kv.budget == "auto" else f"budget {kv.budget}")
+    prompt = "the prompt compressed too" if kv.compress_prompt else "the prompt kept whole"
+    when = (f"every {kv.divide_length} new tokens" if kv.divide_method == "step_length" else "at a newline")
+    lines = [f"KV compression: {kv.algorithm}, {budget} entries, {when} once over it, window {kv.window}, {prompt}; "
+             f"the console's kv figure is the share of a dense cache the sequences kept (kv/retained_frac: 100% = "
+             f"nothing evicted)"]
+    most = longest.dense_entries()  # what the longest sequence holds at most, uncompressed
+    floor = keep_floor(policy, longest.prompt)  # a compression keeps at least this many
+    if most <= floor:
+        lines.append(f"rollout.kv.budget={kv.budget} is never reached: the longest sequence holds at most {most} "
+                     f"entries ({longest.prompt} prompt + {longest.max_new_tokens} new tokens), and a compression "
+                     f"keeps at least {floor}, so nothing is compressed; a budget below {most} compresses")
+    elif (kv.divide_method == "step_length" and longest.max_new_tokens <= kv.divide_length
+          and most < floor + kv.divide_length):
+        lines.append(f"rollout.kv.divide_length={kv.divide_length} is not below rollout.max_new_tokens="
+                     f"{longest.max_new_tokens}: a response ends before its first compression, so nothing is "
+                     f"compressed; a smaller divide_length compresses")
+    return lines

@@ -104,3 +104,26 @@ def test_a_memory_that_holds_no_sequence_is_one_error_line(model_dir, capsys):
     assert memory_slots(sparse, model_dir, torch.device("cpu"), SequenceSize(30, 64)) == 64
     with pytest.raises(Exception, match="is a fraction of the free device memory, but the engine runs on cpu"):
         memory_slots(cfg_of("rollout.kv_memory=0.5"), model_dir, torch.device("cpu"), SequenceSize(30, 64))
+
+
+def test_the_start_up_lines_say_what_the_kv_policy_does_and_a_budget_never_reached():
+    """On the default task's sizes (44-token prompts, 48 new tokens): the sparse preset's budget is never reached, a
+    divide_length past the response cap never compresses, README's sparse command compresses; each case in a line."""
+    from sparserl.config.load import load_config
+    from sparserl.engine_options.sizing import SequenceSize, kv_policy_lines
+
+    longest = SequenceSize(prompt=44, max_new_tokens=48)
+
+    def lines(*overrides):
+        return kv_policy_lines(load_config(list(overrides)), longest)
+
+    (dense,) = lines()
+    assert "dense" in dense and "kv figure stays at 100%" in dense
+    first, never = lines("+preset=sparse_rl", "rollout.kv.budget=128")
+    assert "rkv, budget 128 entries" in first and "the console's kv figure is the share of a dense cache" in first
+    assert "rollout.kv.budget=128 is never reached" in never and "at most 91 entries" in never
+    _, late = lines("+preset=sparse_rl", "rollout.kv.budget=48")  # divide_length 128: past the 48-token cap
+    assert "rollout.kv.divide_length=128 is not below rollout.max_new_tokens=48" in late
+    assert len(lines("+preset=sparse_rl", "rollout.kv.budget=48", "rollout.kv.divide_length=8")) == 1
+    (auto, never_auto) = lines("+preset=sparse_rl", "rollout.kv.budget=auto")
+    assert "budget auto (64-1024, from 1024)" in auto and "never reached" in never_auto
