@@ -4,11 +4,11 @@ Each panel groups a few keys of one kind (reward, length, the actor's update, mi
 evaluation, time); a panel whose keys were never logged is left out, and a key logged only on some steps (eval rows,
 a correction switched on mid-way) is drawn where it is present. A panel of shares (fractions of sequences, tokens or
 a dense cache) has a fixed [0, 1] axis, so a flat line at 1 stays flat instead of being stretched over an
-auto-scaled 0.96-1.04. The reward's ±std band is kept inside [0, 1] when every step's mean and std are those of rewards in
-[0, 1] (the Bhatia-Davis bound std^2 <= mean (1 - mean)), as for a 0/1 reward; `score/mean` is left out where it
-equals `reward/mean` at every step, as any key whose curve an earlier key of its panel already draws (the legend
-names it: `actor/loss (= actor/pg_loss)` without a KL or entropy term, `avg@1 (= pass@1, maj@1)` with one sample). Text is drawn as paths, so the SVG needs no font on the
-reader's machine.
+auto-scaled 0.96-1.04. The reward's ±std band is kept inside [0, 1] when every step's mean and std are those of
+rewards in [0, 1] (the Bhatia-Davis bound std^2 <= mean (1 - mean)), as for a 0/1 reward; `score/mean` is left out
+where it equals `reward/mean` at every step, as any key whose curve an earlier key of its panel already draws (the
+legend names it: `actor/loss (= actor/pg_loss)` without a KL or entropy term, `avg@1 (= pass@1, maj@1)` with one
+sample). Text is drawn as paths, so the SVG needs no font on the reader's machine.
 
 Left out on purpose: smoothing (scripts/plot_metrics.py --smooth), comparing runs in one figure, and interactive
 zoom (the SVG scales cleanly; metrics.jsonl holds the numbers).
