@@ -21,11 +21,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from sparserl.utils.errors import UserError, run_main  # noqa: E402
+from sparserl.utils.runs import follow_latest  # noqa: E402
 
 
 def read_metric(run_dir: str | Path, key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of `key` in a run's metrics.jsonl, sorted by step."""
-    path = Path(run_dir)
+    path = follow_latest(run_dir)  # a folder of runs (outputs/grpo): its newest run
     if path.is_dir():
         path = path / "metrics.jsonl"
     if not path.is_file():
