@@ -8,7 +8,7 @@ each distinct specialization through to a cubin for `GPUTarget("cuda", 90, 32)` 
 ptxas bundled in the triton wheel. The cubin's resource usage comes from the bundled `cuobjdump` (registers, stack
 frame) and its SASS (spill stores are `STL` instructions: these kernels keep no local arrays).
 
-    python -m sparserl.kernels.compile_check               # the full matrix, the table in docs/gpu.md
+    python -m sparserl.kernels.compile_check --by-shape    # the full matrix; docs/gpu.md has its last table
     python -m sparserl.kernels.compile_check --matrix engine  # the shapes the engine launches (the CI test's)
 
 It runs with TRITON_INTERPRET unset (or 0): under the interpreter triton.language's own helpers are interpreted
@@ -113,7 +113,7 @@ class Compiler:
 
         if triton.knobs.runtime.interpret:  # then triton.language's own @jit helpers are interpreted functions too
             raise RuntimeError("the compile check needs TRITON_INTERPRET unset or 0 when triton is imported")
-        self.seen: set = set()
+        self.done: dict = {}  # specialization key -> Compiled
         self._binders: dict = {}  # (kernel, arch) -> (target, backend, binder)
 
     def specialize(self, launch: paged_decode.Launch, arch: int):
@@ -134,22 +134,23 @@ class Compiler:
                                                               specialization, options)
         return key, target, ASTSource(fn, signature, constexprs, attrs), options
 
-    def compile(self, launch: paged_decode.Launch, target_name: str, shape: Shape) -> Compiled | None:
-        """Compile one launch for a target; None if an equal specialization was compiled before."""
+    def compile(self, launch: paged_decode.Launch, target_name: str, shape: Shape) -> tuple[Compiled, bool]:
+        """Compile one launch for a target: (its row, whether it was compiled now rather than an equal
+        specialization before, whose row it then shares)."""
         from triton.compiler import compile as triton_compile
 
         key, target, src, options = self.specialize(launch, TARGETS[target_name])
-        if key in self.seen:
-            return None
-        self.seen.add(key)
+        if key in self.done:
+            return self.done[key], False
         t0 = time.perf_counter()
         kernel = triton_compile(src, target=target, options=options.__dict__)
         seconds = time.perf_counter() - t0
         regs, stack, stl = resource_usage(kernel.asm["cubin"], key[0])
         splits = "1 split" if launch.constants.get("ONE_SPLIT") else "splits"
         name = key[0] if key[0] != "_split_kernel" else f"_split_kernel ({splits})"
-        return Compiled(name, target_name, str(shape.dtype).removeprefix("torch."), shape.label(),
-                        kernel.metadata.num_warps, regs, stack, stl, seconds)
+        self.done[key] = Compiled(name, target_name, str(shape.dtype).removeprefix("torch."), shape.label(),
+                                  kernel.metadata.num_warps, regs, stack, stl, seconds)
+        return self.done[key], True
 
 
 def resource_usage(cubin: bytes, function: str) -> tuple[int, int, int]:
@@ -170,20 +171,45 @@ def resource_usage(cubin: bytes, function: str) -> tuple[int, int, int]:
     return regs, stack, spills
 
 
-def run(matrix: str, targets: list[str], batches, widths, out=sys.stdout) -> list[Compiled]:
-    """Compile the matrix for the targets, printing each row of the table as it is measured."""
+def run(matrix: str, targets: list[str], batches, widths, out=sys.stdout) -> tuple[list[Compiled], list[Compiled]]:
+    """Compile the matrix for the targets, printing each row of the table as it is measured. Returns the rows
+    compiled, and every (shape, kernel, target)'s row (a kernel another shape compiled shares its row)."""
     print("| " + " | ".join(HEADER) + " |", file=out)
     print("|" + "|".join("---" for _ in HEADER) + "|", file=out, flush=True)
-    compiler, rows = Compiler(), []
+    compiler, rows, per_shape = Compiler(), [], {}
     for target_name in targets:
         shapes = ENGINE.get(target_name, []) if matrix == "engine" else full_matrix()
         for shape in shapes:
+            dtype = str(shape.dtype).removeprefix("torch.")
             for launch in launches_of(shape, batches, widths):
-                row = compiler.compile(launch, target_name, shape)
-                if row is not None:
+                row, fresh = compiler.compile(launch, target_name, shape)
+                per_shape.setdefault((dtype, shape.label(), row.kernel, target_name),
+                                     dataclasses.replace(row, dtype=dtype, shape=shape.label()))
+                if fresh:
                     rows.append(row)
                     print("| " + " | ".join(str(x) for x in row.row()) + " |", file=out, flush=True)
-    return rows
+    return rows, list(per_shape.values())
+
+
+KERNELS = ["_split_kernel (splits)", "_split_kernel (1 split)", "_merge_kernel"]
+
+
+def by_shape(rows: list[Compiled], targets: list[str], out=sys.stdout) -> None:
+    """The rows again, one line per (dtype, shape): each kernel's registers per target, the split kernel's warps
+    (the merge runs four), and the largest stack frame and spill count over them (the table in docs/gpu.md)."""
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r.dtype, r.shape), {})[r.kernel, r.target] = r
+    heads = ["split, several splits", "split, one split", "merge"]  # KERNELS
+    print(f"\nRegisters per target ({' / '.join(targets)}):\n", file=out)
+    print("| dtype | shape | " + " | ".join(heads) + " | split warps | stack B, spill stores (max) |", file=out)
+    print("|" + "|".join("---" for _ in range(len(heads) + 4)) + "|", file=out)
+    for (dtype, shape), got in cells.items():
+        regs = [" / ".join(str(got[k, t].registers) if (k, t) in got else "-" for t in targets) for k in KERNELS]
+        warps = sorted({r.warps for r in got.values() if r.kernel != "_merge_kernel"})
+        worst = max(got.values(), key=lambda r: (r.stack_bytes, r.spill_stores))
+        print(f"| {dtype} | {shape} | " + " | ".join(regs) + f" | {'/'.join(map(str, warps))} | "
+              f"{worst.stack_bytes}, {worst.spill_stores} |", file=out, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,17 +221,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--matrix", choices=["full", "engine"], default="full")
     ap.add_argument("--targets", nargs="+", choices=list(TARGETS), default=list(TARGETS))
     ap.add_argument("--json", type=Path, help="also write the rows here (the CI test reads them)")
+    ap.add_argument("--by-shape", action="store_true", help="then the same rows, one line per dtype and shape")
     args = ap.parse_args(argv)
     batches, widths = bucket_sizes(256), [WIDTH_STEP, 4 * WIDTH_STEP, 64 * WIDTH_STEP]
     print(f"triton {triton.__version__}, ptxas {_bin('ptxas')}; launches of the static step at batch sizes "
           f"{batches[0]}-{batches[-1]} and table widths {widths} (one row per distinct specialization)", flush=True)
     t0 = time.perf_counter()
-    rows = run(args.matrix, args.targets, batches, widths)
+    rows, per_shape = run(args.matrix, args.targets, batches, widths)
     spilling = [r for r in rows if r.stack_bytes or r.spill_stores]
     print(f"{len(rows)} compiled in {time.perf_counter() - t0:.0f} s; {len(spilling)} with a stack frame or spill "
           "stores", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
+    if args.by_shape:
+        by_shape(per_shape, args.targets)
     return 0
 
 

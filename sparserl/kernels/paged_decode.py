@@ -314,8 +314,9 @@ def launches(q, k_pool, v_pool, slot_table, lengths, scale=None, *, block_n=None
         lse = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
     stride_lh = lengths.stride(1) if lengths.dim() == 2 else 0
     g_pad = max(16, _pow2(G))
-    # Eight warps where one program's (G_PAD, D) tiles reach 32 KB (fp32 MQA at D = 256): at four they spill.
-    warps = 8 if g_pad * D * k_pool.element_size() >= 32768 else 4
+    # Eight warps where one program's (G_PAD, D) tile reaches 16 KB (fp32 MQA at D >= 128, bf16 MQA at D = 256, fp32
+    # at D = 256): at four, fp32 MQA spilled at sm_90 (`python -m sparserl.kernels.compile_check`).
+    warps = 8 if g_pad * D * k_pool.element_size() >= 16384 else 4
     plan = [Launch(_split_kernel, (B, hkv, num_splits), (
         q, k_pool, v_pool, slot_table, lengths, part, lse, out, float(D**-0.5 if scale is None else scale), W,
         split_len, num_splits, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0),
