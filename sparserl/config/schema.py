@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 from sparserl.algo.correction_config import CorrectionConfig
 from sparserl.config.fields import (COUNT, NON_EMPTY, NON_NEG, PROB, ConfigError, Rule, above, each, opt, or_null,
                                     show, within)
-from sparserl.engines.kv_memory import SYNTAX, is_kv_memory, parse_kv_memory
+from sparserl.engines.kv_memory import KV_DTYPES, SYNTAX, is_kv_memory, parse_kv_memory
 from sparserl.kv.policy import KVPolicyConfig
 
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64", "fp64")  # actor/hf.py DTYPES
@@ -131,6 +131,18 @@ def _one_pool_size(r: Any, p: str) -> None:
                           f"give one ({p}.kv_memory in bytes, or {p}.kv_pool_tokens in entries)")
 
 
+def _kv_dtype_engine(r: Any, p: str) -> None:
+    if r.engine != "sglang":
+        return
+    if r.kv_dtype == "int8":
+        raise ConfigError(f"{p}.kv_dtype=int8 with {p}.engine=sglang: SGLang has no int8 KV cache (its kv_cache_dtype "
+                          f"takes auto, bf16, fp8_e4m3, fp8_e5m2); use {p}.engine=native, or {p}.kv_dtype=fp8 on CUDA")
+    if r.kv_dtype == "fp8" and r.kv.algorithm != "none":
+        raise ConfigError(f"{p}.kv_dtype=fp8 with {p}.engine=sglang and {p}.kv.algorithm={r.kv.algorithm}: the "
+                          f"sparserl_kv backend scores and moves SGLang's pool in rollout.dtype; fp8 KV with SGLang is "
+                          f"dense only (use {p}.engine=native for compression over a quantized pool)")
+
+
 def _admission_engine(r: Any, p: str) -> None:
     if r.admission == "reserve" and r.engine != "native":
         raise ConfigError(f"{p}.admission=reserve with {p}.engine={r.engine}: worst-case reservation is the native "
@@ -139,7 +151,7 @@ def _admission_engine(r: Any, p: str) -> None:
 
 @dataclass
 class RolloutConfig:
-    RELATIONS: ClassVar[tuple] = (_decode_cache_or_graphs, _one_pool_size, _admission_engine)
+    RELATIONS: ClassVar[tuple] = (_decode_cache_or_graphs, _one_pool_size, _admission_engine, _kv_dtype_engine)
 
     engine: str = opt("native", "native | sglang", choices=("native", "sglang"))
     n: int = opt(8, "samples per prompt (one GRPO group)", rule=COUNT)
@@ -153,9 +165,16 @@ class RolloutConfig:
     kv_memory: str = opt("0", "the KV pool of each engine in bytes, for both engines (SGLang: its max_total_tokens): "
                               "a size (64MB, 1.5GB; MB = 2**20 bytes), megabytes as a bare number (64), a fraction "
                               "in (0, 1) of the device memory free when the engine is sized (0.3; CUDA), or 0 "
-                              "(unset); entries = bytes / (2 x layers x KV heads x head dim x dtype bytes); give "
-                              "it or rollout.kv_pool_tokens, not both (sparserl/engines/kv_memory.py)",
+                              "(unset); entries = bytes / (2 x layers x KV heads x (head dim x element bytes + scale "
+                              "bytes)), of rollout.kv_dtype; give it or rollout.kv_pool_tokens, not both "
+                              "(sparserl/engines/kv_memory.py)",
                          rule=Rule(is_kv_memory, SYNTAX))
+    kv_dtype: str = opt("auto", "what the KV pool stores: auto (= rollout.dtype) | bf16 | fp16 | fp32 | int8 | fp8; "
+                                "int8: 1 byte per element + a float32 scale per token and KV head; fp8: e4m3, the "
+                                "same scales (SGLang: its fp8_e4m3, CUDA, dense only); rollout.kv_memory then holds "
+                                "that many more entries. Attention and the compaction read it dequantized; native "
+                                "decode steps then run eagerly (no captured graphs); SGLang has no int8 "
+                                "(sparserl/kv/kv_dtype.py, docs/kv_compression.md)", choices=KV_DTYPES)
     kv_pool_tokens: int = opt(0, "KV slots per layer, for both engines (SGLang's max_total_tokens); 0 = "
                                  "rollout.kv_memory, or enough for every sequence of a step, densely", rule=NON_NEG)
     admission: str = opt("optimistic", "native engine: optimistic | reserve: admit a sequence while its current KV "

@@ -54,7 +54,7 @@ def native_options(cfg: Config, num_slots: int) -> NativeOptions:
     return NativeOptions(num_slots=num_slots, max_num_seqs=r.max_num_seqs, max_batch_tokens=r.max_batch_tokens,
                          admission=r.admission, kv=r.kv.with_budget(), release_weights=r.release_weights, quantization=r.quantization,
                          quantize_lm_head=r.quantize_lm_head, rescore_seqs=r.rescore_seqs, decode_cache=r.decode_cache,
-                         prepack=r.prepack, cuda_graphs=r.cuda_graphs)
+                         prepack=r.prepack, cuda_graphs=r.cuda_graphs, kv_dtype=r.kv_dtype)
 
 
 def sglang_options(cfg: Config, device: torch.device | str = "cpu", num_slots: int = 0) -> SGLangOptions:
@@ -71,6 +71,7 @@ def sglang_options(cfg: Config, device: torch.device | str = "cpu", num_slots: i
     return SGLangOptions(
         device=dev,
         dtype=r.dtype,
+        kv_cache_dtype=sglang_kv_cache_dtype(r.kv_dtype, r.dtype, on_gpu),
         attention_backend=backend,
         mem_fraction_static=s.mem_fraction_static,
         max_total_tokens=r.kv_pool_tokens or num_slots,
@@ -85,6 +86,27 @@ def sglang_options(cfg: Config, device: torch.device | str = "cpu", num_slots: i
         base_gpu_id=torch.cuda.current_device() if on_gpu else 0,
         kv=dataclasses.asdict(kv) if kv.algorithm != "none" else None,
     )
+
+
+def sglang_kv_cache_dtype(kv_dtype: str, dtype: str, on_gpu: bool) -> str | None:
+    """`rollout.kv_dtype` as SGLang's `kv_cache_dtype` (None: its auto, the model's dtype); a UserError for what its
+    pool cannot store (int8 is refused when the config loads)."""
+    from sparserl.actor.hf import parse_dtype
+
+    if kv_dtype == "auto":
+        return None
+    if kv_dtype == "fp8":
+        if not on_gpu:
+            raise UserError("rollout.kv_dtype=fp8 with rollout.engine=sglang needs CUDA (SGLang's fp8_e4m3 KV cache); "
+                            "use rollout.engine=native on CPU")
+        return "fp8_e4m3"
+    if kv_dtype == "bf16":
+        return "bf16"
+    same = dtype != "auto" and parse_dtype(dtype) == {"fp16": torch.float16, "fp32": torch.float32}.get(kv_dtype)
+    if same:
+        return None
+    raise UserError(f"rollout.kv_dtype={kv_dtype} with rollout.engine=sglang and rollout.dtype={dtype}: SGLang's "
+                    "kv_cache_dtype takes auto (the model's dtype), bf16 or fp8_e4m3; use rollout.kv_dtype=auto")
 
 
 def build_rollout_engine(cfg: Config, model_path: str, tokenizer, device: torch.device, num_slots: int,

@@ -2,8 +2,9 @@
 holds, said once at start-up.
 
 An entry is one token's keys and values in every layer (`engines/kv_memory.py` `entry_bytes`: 2 x layers x KV heads x
-head dim x the dtype's bytes, `rollout.dtype`); an SGLang engine with `parallel.tp` ranks holds its share of the KV
-heads on each, and `rollout.kv_memory` is per device. A memory that holds no sequence of the run's longest prompt
+(head dim x the element's bytes + a quantized pool's scale bytes), of `rollout.kv_dtype`, auto = `rollout.dtype`); an
+SGLang engine with `parallel.tp` ranks holds its share of the KV heads on each, and `rollout.kv_memory` is per
+device. A memory that holds no sequence of the run's longest prompt
 and `max_new_tokens` (its worst case: dense, or the compression bound) is a `UserError` naming the key.
 Left out on purpose: the memory the engine's weights and activations take (the fraction form of `rollout.kv_memory`
 is of the memory free before the engine is built; SGLang's `mem_fraction_static` still caps its own pool).
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from sparserl.config import Config
-from sparserl.engines.kv_memory import at_least, entry_bytes, mb, parse_kv_memory
+from sparserl.engines.kv_memory import at_least, entry_bytes, kv_element_bytes, mb, parse_kv_memory
 from sparserl.kv import CompressionSchedule, KVPolicyConfig
 from sparserl.kv.schedule import keep_floor
 from sparserl.utils.errors import UserError
@@ -43,7 +44,7 @@ class SequenceSize:
 
 
 def model_entry_bytes(cfg: Config, model_path: str) -> int:
-    """Bytes of one KV entry of `model_path` in `rollout.dtype`, on one device of the engine."""
+    """Bytes of one KV entry of `model_path` in `rollout.kv_dtype` (auto: `rollout.dtype`), on one device of the engine."""
     from transformers import AutoConfig
 
     from sparserl.actor.hf import parse_dtype, resolve_model_path
@@ -52,7 +53,8 @@ def model_entry_bytes(cfg: Config, model_path: str) -> int:
     layers, kv_heads, head_dim = kv_geometry(AutoConfig.from_pretrained(resolve_model_path(model_path)))
     if cfg.rollout.engine == "sglang" and cfg.parallel.tp > 1:
         kv_heads = max(1, kv_heads // cfg.parallel.tp)  # each tensor-parallel rank holds its share of the KV heads
-    return entry_bytes(layers, kv_heads, head_dim, parse_dtype(cfg.rollout.dtype).itemsize)
+    sizes = kv_element_bytes(cfg.rollout.kv_dtype, parse_dtype(cfg.rollout.dtype).itemsize, cfg.rollout.engine)
+    return entry_bytes(layers, kv_heads, head_dim, *sizes)
 
 
 def free_device_bytes(device: torch.device) -> int | None:
@@ -94,7 +96,7 @@ def pool_line(cfg: Config, pool_slots: int, bytes_per_slot: int, longest: Sequen
     the compressed ones (each at the compression bound)."""
     kv = cfg.rollout.kv.with_budget()
     dense = longest.dense_entries()
-    line = (f"KV pool {mb(pool_slots * bytes_per_slot)} = {pool_slots} entries x {bytes_per_slot} B: "
+    line = (f"KV pool {mb(pool_slots * bytes_per_slot)} ({kv_dtype_words(cfg)}) = {pool_slots} entries x {bytes_per_slot} B: "
             f"{pool_slots // dense} dense sequences of {longest.prompt} + {longest.max_new_tokens} tokens "
             f"({dense} entries each)")
     if kv.algorithm != "none":
@@ -102,6 +104,15 @@ def pool_line(cfg: Config, pool_slots: int, bytes_per_slot: int, longest: Sequen
         line += f", {pool_slots // bound} compressed ones ({kv.algorithm} budget {kv.budget}: at most {bound} entries each)"
     admission = cfg.rollout.admission if cfg.rollout.engine == "native" else "optimistic (SGLang's scheduler)"
     return line + f"; admission {admission}"
+
+
+def kv_dtype_words(cfg: Config) -> str:
+    """What a pool entry is stored as, for the start-up line: `rollout.kv_dtype`, auto named by `rollout.dtype`."""
+    kv_dtype = cfg.rollout.kv_dtype
+    if kv_dtype == "auto":
+        return f"kv_dtype auto: {cfg.rollout.dtype}"
+    _, scale = kv_element_bytes(kv_dtype, 4, cfg.rollout.engine)
+    return f"kv_dtype {kv_dtype}" + (" + a float32 scale per token and KV head" if scale else "")
 
 
 def pool_is_sized(cfg: Config) -> bool:

@@ -74,11 +74,29 @@ def is_kv_memory(value: object) -> bool:
     return True
 
 
-def entry_bytes(num_layers: int, num_kv_heads: int, head_dim: int, element_bytes: int) -> int:
+def entry_bytes(num_layers: int, num_kv_heads: int, head_dim: int, element_bytes: int, scale_bytes: int = 0) -> int:
     """Bytes of one KV pool entry, one token's keys and values in every layer: 2 (K and V) x layers x KV heads x
-    head dim x the bytes of one cached element. The one place a pool's cost per token is computed: a quantized KV
-    dtype changes it here (its element, and any scale it stores per token)."""
-    return 2 * num_layers * num_kv_heads * head_dim * element_bytes
+    (head dim x the bytes of one cached element + the bytes of the scale a quantized pool stores per token and KV
+    head). The one place a pool's cost per token is computed (`kv_element_bytes` gives the two sizes of a KV dtype)."""
+    return 2 * num_layers * num_kv_heads * (head_dim * element_bytes + scale_bytes)
+
+
+# `rollout.kv_dtype`: auto (the engine's rollout.dtype), a float dtype, or a quantized one (sparserl/kv/kv_dtype.py).
+KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8")
+QUANTIZED_KV = ("int8", "fp8")
+_ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "int8": 1, "fp8": 1}
+SCALE_BYTES = 4  # the native engine's quantized pools: one float32 scale per (token, KV head), for K and for V
+
+
+def kv_element_bytes(kv_dtype: str, compute_bytes: int, engine: str = "native") -> tuple[int, int]:
+    """(bytes of one cached element, bytes of the scale per token and KV head) of a pool in `kv_dtype`; `auto` is the
+    compute dtype's `compute_bytes`. SGLang's fp8 pool stores no per-token scale (one per layer, 1.0 by default)."""
+    if kv_dtype == "auto":
+        return compute_bytes, 0
+    if kv_dtype not in _ELEMENT_BYTES:
+        raise ValueError(f"rollout.kv_dtype={kv_dtype!r}: must be one of {', '.join(KV_DTYPES)}")
+    scale = SCALE_BYTES if kv_dtype in QUANTIZED_KV and engine == "native" else 0
+    return _ELEMENT_BYTES[kv_dtype], scale
 
 
 def mb(nbytes: float) -> str:

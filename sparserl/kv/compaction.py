@@ -3,7 +3,9 @@ the entries each layer and KV head keeps. Pure torch; both engines adapt it to t
 
 The pool it works on is one tensor per layer, (slots, H_kv, D), keys post-RoPE, as the native engine's
 `k_cache` / `v_cache` and SGLang's `k_buffer` / `v_buffer` are; a request's n held entries are a (n,) long
-tensor of its slots in entry order (the native sequence's `slots`, SGLang's `req_to_token` row).
+tensor of its slots in entry order (the native sequence's `slots`, SGLang's `req_to_token` row). A layer may
+also be a quantized `KVStore` (rollout.kv_dtype, kv/kv_dtype.py): keys are scored as `read_entries` dequantizes
+them, and the moves carry each entry's codes and scales together (`entry_parts`).
 
 - `QueryRing`: the last `window` queries of every layer per ring row (one row per running request, plus one
   spare row no request owns), (rows + 1, window, H_q, D) per layer, allocated by the first capture. `plan` maps
@@ -39,6 +41,7 @@ import torch
 from torch import Tensor
 
 from sparserl.kv.base import KVPolicyConfig, reduce_scores, score_tokens, select_keep
+from sparserl.kv.kv_dtype import entry_parts, read_entries
 
 CaptureIndex = tuple[Tensor, Tensor, Tensor]  # (token in the forward, ring row, place in the row's window), long
 
@@ -157,7 +160,7 @@ def select_entries(cfg: KVPolicyConfig, state: CompactionState, ring: QueryRing,
     w = order.shape[0]
     scores = []
     for layer in range(num_layers):
-        keys = k_buffers[layer][slots].transpose(0, 1)  # (H_kv, n, D)
+        keys = read_entries(k_buffers[layer], slots).transpose(0, 1)  # (H_kv, n, D)
         scores.append(score_tokens(cfg, keys, ring.read(layer, row, order), positions[layer]))
     shared = cfg.share != "head"
     norm = cfg.normalize_sums  # shared sets: normalized (paper) or raw (reference) score sums
@@ -224,7 +227,7 @@ def select_batch(cfg: KVPolicyConfig, ring: QueryRing, due: list[DueRequest], k_
     rows = torch.tensor([d.row for d in due], dtype=torch.long, device=device)[:, None]
     scores = []
     for layer in range(num_layers):
-        keys = k_buffers[layer][slots].transpose(1, 2).flatten(0, 1)  # (b * H_kv, n, D)
+        keys = read_entries(k_buffers[layer], slots).transpose(1, 2).flatten(0, 1)  # (b * H_kv, n, D)
         queries = ring.buffers[layer][rows, orders].transpose(1, 2).flatten(0, 1)  # (b * H_q, w, D)
         layer_scores = score_tokens(cfg, keys, queries, positions[:, layer].flatten(0, 1))
         scores.append(layer_scores.view(b, num_kv_heads, n))
@@ -252,9 +255,10 @@ def move_entries(moves: list[tuple[Tensor, Tensor]], k_buffers: list[Tensor], v_
     dst = dsts[0] if len(dsts) == 1 else torch.cat(dsts)  # (T,): where entry t goes
     heads = torch.arange(num_kv_heads, device=dst.device)[:, None]
     for layer in range(num_layers):
-        for buf in (k_buffers[layer], v_buffers[layer]):
-            gathered = buf[src[layer], heads]  # (H_kv, T, D), a copy, so the in-place write below is safe
-            buf[dst] = gathered.transpose(0, 1)
+        # A quantized pool's codes (S, H_kv, D) and scales (S, H_kv) move with the same indices.
+        for part in entry_parts(k_buffers[layer]) + entry_parts(v_buffers[layer]):
+            gathered = part[src[layer], heads]  # (H_kv, T[, D]), a copy, so the in-place write below is safe
+            part[dst] = gathered.transpose(0, 1)
 
 
 @torch.inference_mode()

@@ -5,7 +5,8 @@ only the attention core is ours. It reads what it needs from one `ForwardContext
 of a forward by `forward_context(...)` and reset afterwards (the only module-level state here):
 
 - with a KV cache (engine): the new keys/values are written into the pool at `write_slots`, then each
-  sequence's queries attend over its slots: decode sequences batched in one padded SDPA call, prefill
+  sequence's queries attend over its slots (both through sparserl/kv/kv_dtype.py's accessor, so an int8 / fp8
+  pool is quantized on write and attended dequantized): decode sequences batched in one padded SDPA call, prefill
   sequences one call each (causal over their new tokens, full over what was cached before).
 - without a cache (actor training): each packed sequence attends causally over itself; a span with a
   `prefix` (a shared prompt, actor/logprobs.py) attends over that span's rows first, then causally over itself.
@@ -26,6 +27,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 import torch.nn.functional as F
 
+from sparserl.kv.kv_dtype import read_entries, write_entries
 from sparserl.model.packed_kernels import attend, build_layout, choose_packed_backend
 
 ATTN_NAME = "sparserl"
@@ -60,8 +62,10 @@ class ForwardContext:
     decode_bias: torch.Tensor | None = None  # (Bd, 1, 1, Lmax) float32: 0 where valid, -inf on padding
     decode_cache: DecodeAttention | None = None  # instead of the two above: contiguous copies (engines/native/decode_cache.py)
     write_slots: torch.Tensor | None = None  # (T,) long
-    k_cache: list[torch.Tensor] | None = None  # per layer (S, H_kv, D)
-    v_cache: list[torch.Tensor] | None = None
+    # Per layer (S, H_kv, D): a tensor, or a `KVStore` when the pool is not in the compute dtype (rollout.kv_dtype,
+    # kv/kv_dtype.py); either is written and read only through `write_entries` / `read_entries`.
+    k_cache: list | None = None
+    v_cache: list | None = None
     # Called as on_queries(layer_idx, query (T, H, D)) so compression can keep recent queries.
     on_queries: Callable[[int, torch.Tensor], None] | None = None
     # The actor's forwards: what the LM head computes instead of full logits (actor/logprobs.py `LogprobHead`).
@@ -108,8 +112,8 @@ def _decode_attention(q, k_cache, v_cache, ctx: ForwardContext, scaling: float |
     bd, H, D = q.shape
     idx = ctx.decode_slots  # (Bd, Lmax)
     L = idx.shape[1]
-    k = k_cache.index_select(0, idx.reshape(-1)).view(bd, L, -1, D).transpose(1, 2)  # (Bd, H_kv, L, D)
-    v = v_cache.index_select(0, idx.reshape(-1)).view(bd, L, -1, D).transpose(1, 2)
+    k = read_entries(k_cache, idx.reshape(-1)).view(bd, L, -1, D).transpose(1, 2)  # (Bd, H_kv, L, D)
+    v = read_entries(v_cache, idx.reshape(-1)).view(bd, L, -1, D).transpose(1, 2)
     hkv = k.shape[1]
     qg = q.view(bd, hkv, H // hkv, D).to(k.dtype)  # (Bd, H_kv, G, D): query heads of one KV head together
     bias = ctx.decode_bias if ctx.decode_bias.dtype == k.dtype else ctx.decode_bias.to(k.dtype)
@@ -127,8 +131,8 @@ def _span_attention(span: Span, q, k, v, k_cache, v_cache, scaling, prefix=None)
             k, v, num_cached = torch.cat([prefix[0], k]), torch.cat([prefix[1], v]), prefix[0].shape[0]
         ks, vs = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     else:
-        ks = k_cache.index_select(0, span.slots).transpose(0, 1)[None]  # (1, H_kv, L, D)
-        vs = v_cache.index_select(0, span.slots).transpose(0, 1)[None]
+        ks = read_entries(k_cache, span.slots).transpose(0, 1)[None]  # (1, H_kv, L, D)
+        vs = read_entries(v_cache, span.slots).transpose(0, 1)[None]
     if num_cached == 0:
         o = _sdpa(qs, ks, vs, causal=True, scale=scaling)
     else:
@@ -173,8 +177,9 @@ def packed_attention(
     decoded = None
     if ctx.k_cache is not None:
         k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
-        k_cache.index_copy_(0, ctx.write_slots, k_new.to(k_cache.dtype))
-        v_cache.index_copy_(0, ctx.write_slots, v_new.to(v_cache.dtype))
+        # Written first, then read back with the rest: a quantized pool's new tokens are attended as stored.
+        write_entries(k_cache, ctx.write_slots, k_new)
+        write_entries(v_cache, ctx.write_slots, v_new)
         if ctx.n_decode and ctx.decode_cache is not None:
             decoded = ctx.decode_cache.attend(layer, q[: ctx.n_decode], k_cache, v_cache, scaling)
         elif ctx.n_decode:

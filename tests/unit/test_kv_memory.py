@@ -78,7 +78,8 @@ def test_kv_memory_sizes_the_pool_of_both_engines(model_dir):
 def test_the_start_up_line_counts_dense_and_compressed_sequences():
     cfg = cfg_of("rollout.max_new_tokens=100")
     line = pool_line(cfg, 2048, 512, SequenceSize(28, 100))
-    assert line.startswith("KV pool 1.0 MB = 2048 entries x 512 B: 16 dense sequences of 28 + 100 tokens (127 entries each)")
+    assert line.startswith("KV pool 1.0 MB (kv_dtype auto: float32) = 2048 entries x 512 B: 16 dense sequences of 28 + "
+                           "100 tokens (127 entries each)")
     assert "compressed" not in line and line.endswith("admission optimistic")
     sparse = cfg_of("rollout.max_new_tokens=100", "rollout.kv.algorithm=rkv", "rollout.kv.budget=32",
                     "rollout.kv.divide_length=16", "rollout.kv.window=4", "rollout.admission=reserve")

@@ -7,7 +7,9 @@ decode_attention.py: at batch 64 the gather alone costs more than SDPA over cont
 keeps, per layer, a (rows, H_kv, width, D) copy of each decoding sequence's entries, row = the sequence's row
 in the `SlotTable`, updated by appends: a decode step copies one new entry per sequence (the token it writes
 in this forward), a prefill or a compaction (slots_version bump) re-copies that sequence's row from the pool.
-The pool stays the source of truth (compression scores and compacts there; forks copy there).
+The pool stays the source of truth (compression scores and compacts there; forks copy there). The copy holds
+entries as the pool's accessor reads them (sparserl/kv/kv_dtype.py): an int8 / fp8 pool's dequantized, in the
+compute dtype, so each entry is dequantized once, when it is copied in, not at every step.
 
 Memory: the copy holds the decoding sequences' entries a second time, padded to the longest (its width in
 multiples of 64 entries, sized for what the decoding sequences can reach when that is within 2x of the need:
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from sparserl.kv.kv_dtype import read_entries
 
 
 @dataclass
@@ -130,8 +134,8 @@ class DecodeCache:
         p = self.plan
         k_rows, v_rows = self.k[layer], self.v[layer]
         if p.sync_slots.numel():
-            k_rows[p.sync_rows, :, p.sync_cols] = k_cache.index_select(0, p.sync_slots)
-            v_rows[p.sync_rows, :, p.sync_cols] = v_cache.index_select(0, p.sync_slots)
+            k_rows[p.sync_rows, :, p.sync_cols] = read_entries(k_cache, p.sync_slots)
+            v_rows[p.sync_rows, :, p.sync_cols] = read_entries(v_cache, p.sync_slots)
         bd, H, D = q.shape
         hkv = self.num_kv_heads
         qg = q.view(bd, hkv, H // hkv, D).to(self.dtype)

@@ -9,6 +9,7 @@ prefix caching across prompts (the `n` samples of one prompt do share its prefil
 With `quantization` the linear layers hold int8 / fp8 weights, re-quantized at every weight update
 (`quantize.py`); `rescore_seqs` re-scores a few sequences densely to split the mismatch (`rescore.py`).
 With `cuda_graphs` (auto: on for CUDA) decode-only steps run over static buffers, as CUDA graphs on CUDA (`graph_step.py`).
+With `kv_dtype` int8 / fp8 the pool holds quantized entries (sparserl/kv/kv_dtype.py); those steps then run eagerly.
 `with engine.dense():` generates without KV compression in an engine built with a policy (the trainer's
 rescue of rejected samples, `algo.correction.rescue=dense`): reservations are then the dense worst case.
 
@@ -34,6 +35,7 @@ from typing import Callable, Hashable, Iterable, Iterator
 import torch
 
 from sparserl.kv import KVPolicyConfig
+from sparserl.kv.kv_dtype import resolve_kv_dtype
 from sparserl.engines.protocol import EngineStats
 from sparserl.engines.native import rescore
 from sparserl.engines.native.compressor import Compressor
@@ -79,13 +81,19 @@ class NativeEngine:
         self.release_weights = o.release_weights
         param = next(model.parameters())
         graphs = resolve_cuda_graphs(o.cuda_graphs, param.device, model)  # the static decode step keeps no decode cache
+        kv_format = resolve_kv_dtype(o.kv_dtype, param.dtype)
+        if graphs and not kv_format.plain:
+            # The static step's attention (and the Triton kernel under it) reads a pool in the compute dtype only.
+            log0(f"rollout.kv_dtype={o.kv_dtype}: decode steps run eagerly (rollout.cuda_graphs={o.cuda_graphs} is not "
+                 f"used): the captured decode step and its Triton kernel do not read a {kv_format.name} pool yet")
+            graphs = False
         if graphs and o.decode_cache == "on":  # cuda_graphs=auto on CUDA (both on is a config error)
             log0("rollout.decode_cache=on is not used: the captured decode step (rollout.cuda_graphs=auto on CUDA) keeps "
                  "its own static buffers; rollout.cuda_graphs=off for the decode cache")
         self.runner = ModelRunner(model, o.num_slots, o.quantization, o.quant_kernel, o.quantize_lm_head,
                                   resolve_decode_cache(o.decode_cache, param.device) and not graphs,
                                   resolve_prepack(o.prepack, param.device, param.dtype, o.quantization),
-                                  graphs, o.max_num_seqs)
+                                  graphs, o.max_num_seqs, o.kv_dtype)
         self.quantization = o.quantization
         # Measure-only: sequences per generate() re-scored with a dense cache (rollout/kv_mismatch_kl).
         self.rescore_seqs = o.rescore_seqs

@@ -27,3 +27,4 @@ class NativeOptions:
     decode_cache: str = "auto"  # on | off | auto: contiguous decode K/V copies (decode_cache.py)
     prepack: str = "auto"  # auto | on | off | onednn | mkl: linear weights packed for the decode GEMMs (prepack.py)
     cuda_graphs: str = "auto"  # on | off | auto (= on for CUDA): decode-only steps over static buffers, captured on CUDA
+    kv_dtype: str = "auto"  # auto | bf16 | fp16 | fp32 | int8 | fp8: what the KV pool stores (sparserl/kv/kv_dtype.py)

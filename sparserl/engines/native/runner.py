@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from sparserl.model.attention import ForwardContext, Span, forward_context, use_packed_attention
 from sparserl.engines.kv_memory import entry_bytes
+from sparserl.kv.kv_dtype import KVFormat, entry_parts, resolve_kv_dtype
 from sparserl.engines.native.decode_cache import DecodeCache
 from sparserl.engines.native.graph_step import StaticDecode
 from sparserl.engines.native.prepack import Prepacker
@@ -127,7 +128,7 @@ class SlotTable:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int, quantization: str = "none", quant_kernel: str = "auto",
                  quantize_lm_head: bool = False, decode_cache: bool = False, prepack: str | None = None,
-                 cuda_graphs: bool = False, max_num_seqs: int = 256) -> None:
+                 cuda_graphs: bool = False, max_num_seqs: int = 256, kv_dtype: str = "auto") -> None:
         self.model = model.eval()
         use_packed_attention(self.model)
         use_inplace_mlps(self.model)
@@ -148,8 +149,11 @@ class ModelRunner:
         self.no_mask = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(model.config)
         self.num_slots = num_slots
-        self.k_cache: list[torch.Tensor] | None = None
-        self.v_cache: list[torch.Tensor] | None = None
+        # What a pool entry is stored as (rollout.kv_dtype, kv/kv_dtype.py): in the compute dtype the layers are plain
+        # tensors, else `KVStore`s (int8 / fp8 codes with a scale per token and KV head, or another float dtype).
+        self.kv_format: KVFormat = resolve_kv_dtype(kv_dtype, self.dtype)
+        self.k_cache: list | None = None
+        self.v_cache: list | None = None
         self.use_decode_cache = decode_cache
         self.table = self._new_table()
         self._released: dict[int, torch.Size] = {}  # id(parameter) -> shape, while the storage is dropped
@@ -158,7 +162,7 @@ class ModelRunner:
 
     @property
     def bytes_per_slot(self) -> int:
-        return entry_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype.itemsize)
+        return entry_bytes(self.num_layers, self.num_kv_heads, self.head_dim, *self.kv_format.element_and_scale_bytes())
 
     def allocate(self) -> None:
         if self.k_cache is None:
@@ -170,11 +174,13 @@ class ModelRunner:
             # Every slot is written by the forward it is allocated for before anything reads it; the one read of
             # slots that may be unwritten is the padding of the gathered decode attention (slot 0, masked out), and
             # a masked entry must still be finite (0 x NaN is NaN), so slot 0 is zeroed.
-            alloc = torch.empty if self.device.type == "cpu" else torch.zeros
-            self.k_cache = [alloc(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            self.v_cache = [alloc(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            for t in self.k_cache + self.v_cache:
-                t[0].zero_()
+            zero = self.device.type != "cpu"
+            fmt = self.kv_format
+            self.k_cache = [fmt.new_layer(shape, self.device, zero) for _ in range(self.num_layers)]
+            self.v_cache = [fmt.new_layer(shape, self.device, zero) for _ in range(self.num_layers)]
+            for layer in self.k_cache + self.v_cache:
+                for t in entry_parts(layer):  # a quantized slot 0: codes and scale 0, dequantized to 0
+                    t[0].zero_()
 
     def release(self) -> None:
         self.k_cache = self.v_cache = None
@@ -260,9 +266,9 @@ class ModelRunner:
             return
         src = self._tensor([x for s in forks for x in s.fork_of.slots[: len(s.prompt)]])
         dst = self._tensor([x for s in forks for x in s.slots])
-        for k, v in zip(self.k_cache, self.v_cache):
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+        for layer in self.k_cache + self.v_cache:
+            for t in entry_parts(layer):  # a quantized pool's codes and scales alike
+                t.index_copy_(0, dst, t.index_select(0, src))
 
     def release_weights(self) -> None:
         """Drop the parameters' storage while the actor trains; `load_weights` allocates it again."""

@@ -97,7 +97,7 @@ class SGLangEngine:
         self.seed = seed
         self.group = group or TPGroup(0, 0, ())
         self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else _default_eos(model_path, tokenizer)
-        self._kv_bytes = _kv_bytes_per_token(model_path, self.options.dtype)
+        self._kv_bytes = _kv_bytes_per_token(model_path, self.options.dtype, self.options.kv_cache_dtype)
         self._pool_tokens = self.options.max_total_tokens
         self._stats = self._fresh_stats()
         self.kv_trace: dict = {}  # (request id, sample index) -> kept positions per compaction (options.kv_trace)
@@ -368,14 +368,19 @@ def _default_eos(model_path: str, tokenizer) -> frozenset[int]:
     return eos_ids(gen_eos, AutoConfig.from_pretrained(model_path).eos_token_id, getattr(tokenizer, "eos_token_id", None))
 
 
-def _kv_bytes_per_token(model_path: str, dtype: str) -> int:
+def _kv_bytes_per_token(model_path: str, dtype: str, kv_cache_dtype: str | None = None) -> int:
     from transformers import AutoConfig
+
+    from sparserl.engines.kv_memory import entry_bytes
 
     c = AutoConfig.from_pretrained(model_path)
     c = c.get_text_config() if hasattr(c, "get_text_config") else c
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=_DTYPES.get(dtype, torch.bfloat16)).element_size()
+    element = torch.tensor([], dtype=_DTYPES.get(dtype, torch.bfloat16)).element_size()
+    if kv_cache_dtype is not None:  # its fp8 pool: one byte per element, one scale per layer (none per token)
+        element = 1 if kv_cache_dtype.startswith("fp8") else 2
+    return entry_bytes(c.num_hidden_layers, kv_heads, head_dim, element)
 
 
 def build_sglang_engine(model_path: str, options: SGLangOptions | None = None, tokenizer=None, seed: int = 0,

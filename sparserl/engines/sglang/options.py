@@ -13,6 +13,7 @@ class SGLangOptions:
 
     device: str = "cpu"  # cpu | cuda
     dtype: str = "bfloat16"
+    kv_cache_dtype: str | None = None  # SGLang's kv_cache_dtype (fp8_e4m3, bf16); None: its auto, the model's dtype
     attention_backend: str | None = "torch_native"  # None: SGLang's choice
     mem_fraction_static: float = 0.5
     max_total_tokens: int = 0  # 0: sized from mem_fraction_static
@@ -50,6 +51,8 @@ class SGLangOptions:
         )
         if self.max_total_tokens:
             args["max_total_tokens"] = self.max_total_tokens
+        if self.kv_cache_dtype:
+            args["kv_cache_dtype"] = self.kv_cache_dtype
         if self.attention_backend:
             args["attention_backend"] = self.attention_backend
         if self.kv is not None:
