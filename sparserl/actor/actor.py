@@ -49,7 +49,7 @@ class TrainBatch:
     ids: list[list[int]]  # prompt + response tokens
     prompt_lens: list[int]
     mask: torch.Tensor  # (B, T) 1 = trained token
-    advantages: torch.Tensor  # (B,)
+    advantages: torch.Tensor  # (B,) one per sequence, or (B, T) one per token (algo/advantages.py), 0 off the mask
     logp_old: torch.Tensor | None = None  # (B, T)
     logp_sparse: torch.Tensor | None = None  # (B, T) what the rollout engine reported
     logp_ref: torch.Tensor | None = None
@@ -168,7 +168,7 @@ class Actor:
         advantage (a prompt's samples stay together, so shared prompts are still computed once)."""
         if not self.skip_zero_advantage or not index:
             return index, []
-        zero = (batch.advantages[index] == 0).tolist()
+        zero = (batch.advantages[index] == 0).reshape(len(index), -1).all(-1).tolist()  # per-token: every token's
         keys = [prompt_key(batch.ids[i], batch.prompt_lens[i]) for i in index] if self.share_prompts else index
         signal = {k for k, z in zip(keys, zero) if not z}
         trained = [i for i, k in zip(index, keys) if k in signal]

@@ -3,7 +3,9 @@
     loss = agg(pg_tok * weights) + kl_coef * agg(kl_tok [* kl_weights]) - entropy_coef * agg(entropy)
 
 where agg is `aggregation.aggregate(cfg.loss_agg, ., mask, norm)` with global minibatch counts, so the
-losses of all micro-batches on all ranks add up to the minibatch loss (see aggregation.py).
+losses of all micro-batches on all ranks add up to the minibatch loss (see aggregation.py). For a loss whose ratio
+is one per sequence (GSPO, `policy_loss.SEQUENCE_RATIO`) `weights` is one per sequence too: the geometric mean of
+the token weights over the sequence's loss tokens, the same length-normalized form as its ratio (docs/correction.md).
 
 Metrics are python floats of two kinds:
   * additive terms, "actor/loss", "actor/pg_loss", "actor/kl", "actor/entropy": this micro-batch's share;
@@ -25,7 +27,7 @@ from torch import Tensor
 
 from sparserl.algo.aggregation import LOSS_AGG, Normalizer, aggregate, masked_mean, metrics_to_floats
 from sparserl.algo.kl import KL_ESTIMATORS, kl_estimate
-from sparserl.algo.policy_loss import POLICY_LOSSES
+from sparserl.algo.policy_loss import POLICY_LOSSES, SEQUENCE_RATIO
 
 
 @dataclass
@@ -77,7 +79,8 @@ def policy_objective(
         logp, logp_old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip
     )  # (B, T)
     if weights is not None:
-        pg_tok = pg_tok * weights.detach()
+        w = weights.detach()
+        pg_tok = pg_tok * (sequence_geometric_mean(w, mask) if cfg.policy_loss in SEQUENCE_RATIO else w)
     pg_loss = aggregate(cfg.loss_agg, pg_tok, mask, norm)
     loss = pg_loss
     terms = {"actor/pg_loss": pg_loss.detach()}
@@ -105,6 +108,14 @@ def policy_objective(
     if not host_metrics:
         return loss, {k: v.detach() if isinstance(v, Tensor) else v for k, v in terms.items()}
     return loss, _to_floats(terms)
+
+
+def sequence_geometric_mean(weights: Tensor, mask: Tensor) -> Tensor:
+    """(B, 1): exp(mean of log w over each sequence's loss tokens); 1 for a sequence without any. The correction's
+    weights are positive on the mask (xi >= e^-20), so the log is finite there."""
+    on = mask > 0  # (B, T)
+    logw = torch.where(on, weights.log(), torch.zeros_like(weights))  # (B, T)
+    return torch.exp(logw.sum(-1, keepdim=True) / on.sum(-1, keepdim=True).clamp(min=1).to(weights.dtype))
 
 
 def _to_floats(terms: dict[str, Tensor | float]) -> dict[str, float]:

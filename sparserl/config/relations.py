@@ -16,6 +16,22 @@ def _dual_clip_is_ppo(cfg) -> None:
                           f"algo.policy_loss={cfg.algo.policy_loss}")
 
 
+# The advantage estimators that give one advantage per token (sparserl/algo/advantages.py `Estimator.per_token`;
+# tests/unit/test_advantages.py keeps the two equal): named here, as this module imports no torch.
+PER_TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")
+
+
+def _objective_fits(cfg) -> None:
+    a = cfg.algo
+    if a.adv_estimator == "rloo" and cfg.rollout.n < 2:
+        raise ConfigError(f"algo.adv_estimator=rloo with rollout.n={cfg.rollout.n}: the leave-one-out baseline needs "
+                          "another sample of the prompt; set rollout.n >= 2")
+    if a.policy_loss == "gspo" and a.adv_estimator in PER_TOKEN_ESTIMATORS and a.kl.coef > 0 and a.kl.mode == "reward":
+        raise ConfigError(f"algo.policy_loss=gspo takes one advantage per sequence, but algo.adv_estimator="
+                          f"{a.adv_estimator} with the KL in the reward (algo.kl.mode=reward) gives one per token; use "
+                          "algo.policy_loss=gspo_token")
+
+
 def _nccl_needs_cuda(cfg) -> None:
     if cfg.parallel.backend == "nccl" and cfg.parallel.device == "cpu":
         raise ConfigError("parallel.backend=nccl needs parallel.device=cuda (or auto on a GPU machine); use gloo on CPU")
@@ -128,7 +144,7 @@ def _openreward(cfg) -> None:
 
 
 # Checks relating keys of different groups: fn(cfg), run by check_config after every group.
-CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (_dual_clip_is_ppo, _nccl_needs_cuda, _quantization_device,
+CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (_dual_clip_is_ppo, _objective_fits, _nccl_needs_cuda, _quantization_device,
                                                    _prepack_applies, _kv_memory_fraction_device,
                                                    _sglang_tp_shares_heads, _overlong_fits,
                                                    _auto_budget_engine, _lora_dropout_tp, _cp_engine, _rescue_dense, _openreward)

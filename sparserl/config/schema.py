@@ -286,11 +286,18 @@ class OverlongConfig:
 
 @dataclass
 class AlgoConfig:
-    adv_estimator: str = opt("grpo", "grpo | drgrpo", choices=("grpo", "drgrpo"))
+    adv_estimator: str = opt("grpo", "grpo | drgrpo | rloo (leave-one-out group baseline) | reinforce_pp (REINFORCE++: "
+                                     "per-token returns with the KL penalty of algo.kl.mode=reward, whitened over the "
+                                     "batch) | reinforce_pp_baseline (the group mean subtracted first)",
+                             choices=("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"))
     loss_agg: str = opt("token", "token | sequence", choices=("token", "sequence"))
-    policy_loss: str = opt("ppo", "ppo | cispo", choices=("ppo", "cispo"))
-    clip_low: float = opt(0.2, "PPO ratio clipped below at 1 - clip_low", rule=within("[0, 1)"))
-    clip_high: float = opt(0.2, "PPO ratio clipped above at 1 + clip_high (> clip_low: clip-higher)", rule=NON_NEG)
+    policy_loss: str = opt("ppo", "ppo | cispo | gspo (one clipped ratio per sequence, the geometric mean of its "
+                                  "tokens'; +preset=gspo) | gspo_token (GSPO's ratio with per-token advantages)",
+                           choices=("ppo", "cispo", "gspo", "gspo_token"))
+    clip_low: float = opt(0.2, "ratio clipped below at 1 - clip_low (GSPO's sequence ratio too: 3e-4 in +preset=gspo)",
+                          rule=within("[0, 1)"))
+    clip_high: float = opt(0.2, "ratio clipped above at 1 + clip_high (> clip_low: clip-higher; 4e-4 in +preset=gspo)",
+                           rule=NON_NEG)
     dual_clip: float | None = opt(None, "PPO dual clip constant for negative advantages; null = off",
                                   rule=or_null(above(1)))
     entropy_coef: float = opt(0.0, "entropy bonus weight", rule=NON_NEG)

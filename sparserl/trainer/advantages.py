@@ -1,6 +1,9 @@
-"""Group advantages of one step's batch: rewards (minus DAPO's overlong penalty under `algo.overlong.penalty > 0`,
+"""Advantages of one step's batch: rewards (minus DAPO's overlong penalty under `algo.overlong.penalty > 0`,
 and the KL penalty under `algo.kl.mode=reward`) through the configured estimator (algo/advantages.py), one group
-per prompt's `rollout.n` samples.
+per prompt's `rollout.n` samples. A group estimator gives `batch.advantages` (B,), one per sequence, with the KL
+penalty summed into the sequence's reward; a per-token one (REINFORCE++) gives (B, T), with the KL penalty as each
+token's reward and statistics over the loss tokens of every DP rank (`batch.mask` at this point: with the correction
+applied, its rejected sequences and masked tokens are out of them).
 
 `shaped_rewards` is the reward the advantages see before the KL penalty: the env's reward minus the overlong
 ramp of the sample's last model turn (the turn the length cap can cut; algo/overlong.py). Dynamic sampling
@@ -20,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from sparserl.actor.actor import TrainBatch
-from sparserl.algo.advantages import compute_advantages
+from sparserl.algo.advantages import compute_advantages, is_per_token
 from sparserl.algo.correction import dist_reduce_sum, low_xi_metrics
 from sparserl.algo.loss import LossConfig, kl_reward_penalty
 from sparserl.algo.overlong import overlong_penalty
@@ -61,7 +64,7 @@ def overlong_metrics(algo: AlgoConfig, samples: list[Sample], penalty: torch.Ten
 
 def set_advantages(algo: AlgoConfig, batch: TrainBatch, samples: list[Sample], n: int, rejected: torch.Tensor | None,
                    loss_cfg: LossConfig, dp_group=None, max_new_tokens: int | None = None) -> dict:
-    """Sets `batch.advantages` (B,); returns the metrics.
+    """Sets `batch.advantages`, (B,) or (B, T) by the estimator; returns the metrics.
 
     `rejected` (B,) is None on the fused path, which is never taken when advantages depend on it.
     Where logp_old is already known (the separate-pass path), also the `mismatch/low_xi_*` metrics, on the
@@ -70,16 +73,19 @@ def set_advantages(algo: AlgoConfig, batch: TrainBatch, samples: list[Sample], n
     """
     rewards, penalty = shaped_rewards(algo, samples, max_new_tokens, batch.mask.device)
     metrics: dict[str, float] = overlong_metrics(algo, samples, penalty, dp_group)
+    token_rewards = None
     if loss_cfg.kl_coef and loss_cfg.kl_mode == "reward":
         penalty, m = kl_reward_penalty(loss_cfg, batch.logp_old, batch.logp_ref, batch.mask)
-        rewards = rewards - penalty.sum(-1)
+        token_rewards = -penalty  # (B, T); a group estimator sums it into the sequence's reward
         metrics.update(m)
     valid = None
     if algo.correction.enable and algo.correction.mode == "apply" and not algo.correction.rejected_in_baseline:
         assert rejected is not None, "rejected_in_baseline=False needs the correction before the update"
         valid = (~rejected).view(-1, n)
-    adv, m = compute_advantages(algo.adv_estimator, rewards.view(-1, n), valid)
-    batch.advantages = adv.reshape(-1)
+    per_token = is_per_token(algo.adv_estimator)
+    adv, m = compute_advantages(algo.adv_estimator, rewards.view(-1, n), valid, mask=batch.mask if per_token else None,
+                                token_rewards=token_rewards, reduce_sum=dist_reduce_sum(dp_group))
+    batch.advantages = adv if per_token else adv.reshape(-1)
     metrics.update(m)
     if batch.logp_old is not None:
         response_mask = batch.response_mask

@@ -37,7 +37,7 @@ class SeqRecord:
     minibatch: int  # the optimizer step it belongs to (the home rank's contiguous slice it was in)
     ids: list[int]  # prompt + response tokens
     prompt_len: int
-    advantage: float
+    advantage: float | torch.Tensor  # its advantage, or its per-token advantages (response length, on CPU)
     per_token: dict[str, torch.Tensor]  # the batch's per-token rows (PER_TOKEN), cut to the response length, on CPU
     origin: tuple[int, int]  # (DP rank, row) it was rolled out at
 
@@ -85,7 +85,7 @@ def balance_ranks(batch: TrainBatch, num_minibatches: int, dp_group, share_promp
             after[r] += loads[r]
         minibatches.append(list(range(len(rows), len(rows) + len(parts[rank]))))
         rows.extend(pool[j] for j in parts[rank])
-    new = _to_batch(rows, {f: getattr(batch, f).dtype for f in fields}, batch.mask.device)
+    new = _to_batch(rows, {f: getattr(batch, f).dtype for f in fields}, batch.mask.device, batch.advantages.dim() == 2)
     mean = max(sum(before) / world, 1e-9)
     metrics = {"perf/dp_load_imbalance_before": max(before) / mean, "perf/dp_load_imbalance": max(after) / mean}
     return new, minibatches, metrics
@@ -98,24 +98,32 @@ def _records(batch: TrainBatch, home: list[list[int]], fields: list[str], rank: 
         for i in index:
             r = len(batch.ids[i]) - batch.prompt_lens[i]
             out.append(SeqRecord(
-                minibatch=k, ids=batch.ids[i], prompt_len=batch.prompt_lens[i], advantage=float(batch.advantages[i]),
+                minibatch=k, ids=batch.ids[i], prompt_len=batch.prompt_lens[i],
+                advantage=batch.advantages[i, :r].detach().cpu() if batch.advantages.dim() == 2
+                else float(batch.advantages[i]),
                 per_token={f: getattr(batch, f)[i, :r].detach().cpu() for f in fields},
                 origin=batch.origin[i] if batch.origin is not None else (rank, i)))
     return out
 
 
-def _to_batch(rows: list[SeqRecord], dtypes: dict[str, torch.dtype], device) -> TrainBatch:
-    """The TrainBatch of `rows`, in order: per-token fields zero-padded to the longest response."""
+def _to_batch(rows: list[SeqRecord], dtypes: dict[str, torch.dtype], device, per_token_adv: bool = False) -> TrainBatch:
+    """The TrainBatch of `rows`, in order: per-token fields (and per-token advantages) zero-padded to the longest
+    response."""
     T = max([1] + [seq.response_len for seq in rows])
-    per_token = {}
-    for f, dtype in dtypes.items():
+
+    def padded(values: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         t = torch.zeros(len(rows), T, dtype=dtype)
-        for i, seq in enumerate(rows):
-            t[i, : len(seq.per_token[f])] = seq.per_token[f]
-        per_token[f] = t.to(device)
+        for i, v in enumerate(values):
+            t[i, : len(v)] = v
+        return t.to(device)
+
+    per_token = {f: padded([seq.per_token[f] for seq in rows], dtype) for f, dtype in dtypes.items()}
+    if per_token_adv:
+        advantages = padded([seq.advantage for seq in rows], torch.float32)
+    else:
+        advantages = torch.tensor([seq.advantage for seq in rows], dtype=torch.float32, device=device)
     return TrainBatch(ids=[seq.ids for seq in rows], prompt_lens=[seq.prompt_len for seq in rows],
-                      advantages=torch.tensor([seq.advantage for seq in rows], dtype=torch.float32, device=device),
-                      origin=[seq.origin for seq in rows], **per_token)
+                      advantages=advantages, origin=[seq.origin for seq in rows], **per_token)
 
 
 def _units(pool: list[SeqRecord], world: int, share_prompts: bool,
@@ -131,7 +139,11 @@ def _units(pool: list[SeqRecord], world: int, share_prompts: bool,
         total = sum(lengths) - sum(prompt_lens) + sum({key: p for key, p in zip(keys, prompt_lens)}.values())  # prompts once
         units = prompt_units(keys, prompt_lens, lengths, max(1, total // (2 * world)))
     trained, no_grad = token_weights
-    return [(idx, cost * (trained if any(pool[j].advantage != 0 for j in idx) else no_grad)) for idx, cost in units]
+    return [(idx, cost * (trained if any(_nonzero(pool[j].advantage) for j in idx) else no_grad)) for idx, cost in units]
+
+
+def _nonzero(advantage: float | torch.Tensor) -> bool:
+    return bool(advantage.any()) if isinstance(advantage, torch.Tensor) else advantage != 0
 
 
 def _load(records: list[SeqRecord], share_prompts: bool, token_weights: tuple[int, int] = (1, 1)) -> int:

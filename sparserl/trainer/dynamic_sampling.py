@@ -1,12 +1,15 @@
 """DAPO dynamic sampling (`algo.dynamic_sampling.*`): a step trains only on groups that carry a learning signal,
 and rolls out more prompts, in rounds, until it has `trainer.prompts_per_step` of them.
 
-A group (one prompt's `rollout.n` samples) is informative when some sample that stays in the loss gets a non-zero
-advantage (`informative_groups`). That drops the groups whose rewards all tie (all right or all wrong: their GRPO
-advantages are 0), and the groups none of whose samples stays in the loss: all cut by the length cap under
+A group (one prompt's `rollout.n` samples) is informative when some sample that stays in the loss gets a reward
+signal under the estimator (`informative_groups`, algo/advantages.py `reward_signal`). With a group baseline (grpo,
+drgrpo, rloo, reinforce_pp_baseline) that drops the groups whose rewards all tie (all right or all wrong: their
+advantages carry no reward signal); reinforce_pp measures each reward against the batch's, so a tied group keeps
+one. Every estimator drops the groups none of whose samples stays in the loss: all cut by the length cap under
 `algo.overlong.mask`, or all rejected by the sparsity correction under `algo.correction.mode=apply`. The rewards are
 the ones the advantages see (the overlong penalty included, `advantages.shaped_rewards`); a KL penalty in the
-reward (`algo.kl.mode=reward`) is not, as it needs the reference's pass.
+reward (`algo.kl.mode=reward`) is not: it needs the reference's pass, and it is a regulariser, not a signal worth
+another rollout round (REINFORCE++ gives a tied group non-zero per-token advantages from it all the same).
 
 The correction's rejections need logp_old. With the correction applied, each round therefore runs the dense
 pass (`dense_logprobs`, the engine asleep meanwhile) on its reward-informative groups, and the kept groups carry
@@ -46,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from sparserl.actor.actor import TrainBatch
-from sparserl.algo.advantages import compute_advantages
+from sparserl.algo.advantages import reward_signal
 from sparserl.algo.correction import explain
 from sparserl.config import AlgoConfig
 from sparserl.data.prompt_sampler import StepBatch
@@ -67,12 +70,12 @@ def round_seed(seed: int, step: int, round_: int) -> int:
 # ---------------------------------------------------------------------------------------------- pure decisions
 def informative_groups(rewards: torch.Tensor, in_loss: torch.Tensor, estimator: str,
                        valid: torch.Tensor | None = None) -> torch.Tensor:
-    """(G,) bool: whether some sample of the group that stays in the loss (`in_loss` (G, n) bool) gets a non-zero
-    advantage from `rewards` (G, n) under `estimator`; `valid` (G, n): the members counted in the baseline."""
+    """(G,) bool: whether some sample of the group that stays in the loss (`in_loss` (G, n) bool) gets a reward
+    signal from `rewards` (G, n) under `estimator` (`reward_signal`); `valid` (G, n): the members counted in the
+    baseline."""
     if rewards.shape[0] == 0:
         return torch.zeros(0, dtype=torch.bool, device=rewards.device)
-    adv, _ = compute_advantages(estimator, rewards, valid)
-    return ((adv != 0) & in_loss.to(torch.bool)).any(-1)
+    return (reward_signal(estimator, rewards, valid) & in_loss.to(torch.bool)).any(-1)
 
 
 def keep_going(informative: int, target: int, rounds: int, max_rounds: int) -> bool:

@@ -7,6 +7,7 @@
 - `zero_advantage_no_grad`: whether the actor may skip backward over zero-advantage sequences.
 - `make_loss_fn`: the loss closure over a batch whose logp_old, weights and masks are already set; it only
   slices them to the micro-batch. The fused path has its own (trainer/loss_path.py).
+- `advantage_rows`: a micro-batch's advantages as the policy loss takes them, (b, 1) or (b, T).
 
 Left out on purpose: a loss registry of its own (policy losses, aggregations and KL estimators are registered
 in sparserl/algo) and any state in the closure (it is the same function for every step).
@@ -60,13 +61,19 @@ def apply_correction(algo: AlgoConfig, batch: TrainBatch, dp_group) -> tuple[tor
     return corr.seq_rejected, metrics
 
 
+def advantage_rows(advantages: torch.Tensor, idx, T: int) -> torch.Tensor:
+    """Rows `idx` of the batch's advantages: (b, 1) from one per sequence, (b, T) from one per token."""
+    rows = advantages[idx]
+    return rows[:, :T] if rows.dim() == 2 else rows[:, None]
+
+
 def make_loss_fn(cfg: LossConfig) -> LossFn:
     def loss_fn(logp, entropy, batch: TrainBatch, idx, norm):
         T = logp.shape[1]
         take = lambda t: None if t is None else t[idx, :T]  # noqa: E731
         use_kl = cfg.kl_coef != 0 and cfg.kl_mode == "loss"
         return policy_objective(
-            cfg, logp, take(batch.logp_old), batch.advantages[idx][:, None], take(batch.mask), norm,
+            cfg, logp, take(batch.logp_old), advantage_rows(batch.advantages, idx, T), take(batch.mask), norm,
             weights=take(batch.weights), logp_ref=take(batch.logp_ref) if use_kl else None,
             entropy=entropy, kl_weights=take(batch.kl_weights) if use_kl else None, host_metrics=False,
         )

@@ -35,7 +35,8 @@ from sparserl.algo.correction import correct, dist_reduce_sum, low_xi_metrics, t
 from sparserl.algo.loss import LossConfig, policy_objective
 from sparserl.algo.sampler_stats import SamplerStats
 from sparserl.config import AlgoConfig, Config
-from sparserl.trainer.loss import apply_correction, make_loss_fn
+from sparserl.algo.advantages import is_per_token
+from sparserl.trainer.loss import advantage_rows, apply_correction, make_loss_fn
 
 
 def fused_old_logprobs(cfg: Config) -> tuple[bool, str]:
@@ -60,6 +61,9 @@ def fused_old_logprobs(cfg: Config) -> tuple[bool, str]:
         return False, "algo.kl.mode=reward puts KL(old || ref) into the rewards, before the update"
     if applying and not c.rejected_in_baseline:
         return False, "algo.correction.rejected_in_baseline=false: advantages need the rejections before the update"
+    if applying and is_per_token(algo.adv_estimator):
+        return False, (f"algo.adv_estimator={algo.adv_estimator} with the correction applied: per-token advantages "
+                       "are whitened over the loss tokens, which the correction decides before the update")
     if applying and c.rescue != "none":
         return False, (f"algo.correction.rescue={c.rescue} re-rolls the rejected sequences, so the rejections are needed "
                        "before the update")
@@ -186,7 +190,7 @@ class FusedOldLogprobLoss:
             mask, weights = token_decisions(self.cfg, logp_old, batch.logp_sparse[idx, :T], mask)
         use_kl = self.loss_cfg.kl_coef != 0 and self.loss_cfg.kl_mode == "loss"
         return policy_objective(
-            self.loss_cfg, logp, logp_old, batch.advantages[idx][:, None], mask, norm, weights=weights,
+            self.loss_cfg, logp, logp_old, advantage_rows(batch.advantages, idx, T), mask, norm, weights=weights,
             logp_ref=batch.logp_ref[idx, :T] if use_kl else None, entropy=entropy,
             kl_weights=weights if use_kl and self.cfg.apply_to_kl else None, host_metrics=False,
         )

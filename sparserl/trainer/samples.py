@@ -2,7 +2,8 @@
 `python -m sparserl.report`.
 
 Every step, rank 0 writes `output_dir/samples/step_<N>.jsonl`: one JSON object per logged sequence with its
-prompt, response, reward, score, status, turns, advantage, the correction's outcome (`rejected`, `vetoed`,
+prompt, response, reward, score, status, turns, advantage (its mean over the loss tokens for a per-token
+estimator), the correction's outcome (`rejected`, `vetoed`,
 `geo_rejected`), the response positions where the KV cache was compressed (`compressed_at`: token k onward was
 sampled from the compressed cache), and per response token (`tokens`, one list per field, all the same length):
 `text`, `id`, `logp_sparse`, `logp_old`, `log_xi` (clamped, as the correction sees it), `weight` (the importance
@@ -85,7 +86,11 @@ def fetch_rows(batch: TrainBatch, picked: list[int], dp_group) -> dict[int, Logg
     if local:
         rows = [j for _, j in local]
         logp_old = batch.logp_old[rows].detach().float().cpu()  # (k, T): one device copy for all rows
-        adv = batch.advantages[rows].detach().float().cpu().tolist()
+        adv = batch.advantages[rows].detach().float()
+        if adv.dim() == 2:  # per token: the mean over the row's loss tokens
+            mask = (batch.mask[rows, :adv.shape[1]] > 0).float()
+            adv = (adv * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        adv = adv.cpu().tolist()
         for n, (i, j) in enumerate(local):
             r = len(batch.ids[j]) - batch.prompt_lens[j]
             mine[i] = LoggedRow(logp_old[n, :r].tolist(), adv[n])

@@ -90,3 +90,111 @@ def test_cispo_passes_gradient_through_clipped_tokens():
 
 def test_registry():
     assert POLICY_LOSSES["ppo"] is ppo_clip
+
+
+# ------------------------------------------------------------------------------------------------------ GSPO
+CL, CH = 3e-4, 4e-4
+# Per row: (mean log-ratio over its loss tokens, advantage). Row 0 inside the range, row 1 clipped below with A < 0,
+# row 2 clipped above with A > 0 (both: no gradient), row 3 below the range with A > 0 (the pessimistic, unclipped
+# branch), row 4 without a loss token (rejected or cut by the length cap).
+GSPO_ROWS = [(1e-4, 1.0), (-1e-3, -0.5), (1e-3, 2.0), (-1e-3, 1.0), (5e-3, 2.0)]
+GSPO_MASK = [[1, 1, 1, 0, 0], [1, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]
+
+
+def _gspo_batch():
+    """float64 (logp with grad, logp_old, adv (B, 1), mask, weights): each row's token log-ratios vary around its
+    mean; the correction weights are positive, 1 off the mask."""
+    g = torch.Generator().manual_seed(3)
+    mask = torch.tensor(GSPO_MASK, dtype=torch.float64)
+    old = -3 * torch.rand(5, 5, generator=g, dtype=torch.float64)
+    noise = 1e-4 * torch.randn(5, 5, generator=g, dtype=torch.float64)
+    noise = (noise - (noise * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)) * mask
+    delta = torch.tensor([m for m, _ in GSPO_ROWS], dtype=torch.float64)[:, None] + noise
+    logp = (old + delta).requires_grad_(True)
+    adv = torch.tensor([[a] for _, a in GSPO_ROWS], dtype=torch.float64)
+    weights = torch.where(mask > 0, 0.5 + torch.rand(5, 5, generator=g, dtype=torch.float64), torch.ones_like(mask))
+    return logp, old, adv, mask, weights
+
+
+def _hand_gspo(logp, old, adv_tok, mask, weights, agg, per_token_weights):
+    """Loss and d loss / d logp by the formulas: s_i = exp(mean_t (logp - old)); a token's term
+    max(-A s_i, -A clip(s_i)) times its weight (or its sequence's geometric-mean weight); the gradient of an
+    unclipped term is -w A s_i per token under GSPO-token, and the same under GSPO, whose per-sequence term is
+    counted once per loss token but moves each token by 1/n_i of s_i's log."""
+    B, T = mask.shape
+    n_tok = mask.sum().item()
+    loss, grad = 0.0, torch.zeros(B, T, dtype=torch.float64)
+    for i in range(B):
+        on = [t for t in range(T) if mask[i, t] > 0]
+        if not on:
+            continue
+        s = math.exp(sum((logp[i, t] - old[i, t]).item() for t in on) / len(on))
+        geo = math.exp(sum(math.log(weights[i, t].item()) for t in on) / len(on))
+        for t in on:
+            a, w = adv_tok[i, t].item(), (weights[i, t].item() if per_token_weights else geo)
+            term = max(-a * s, -a * min(max(s, 1 - CL), 1 + CH))
+            clipped = (a > 0 and s > 1 + CH) or (a < 0 and s < 1 - CL)
+            scale = 1 / n_tok if agg == "token" else 1 / (len(on) * B)
+            loss += w * term * scale
+            grad[i, t] = 0.0 if clipped else -w * a * s * scale
+    return loss, grad
+
+
+def _objective(name, agg, adv, weights):
+    from sparserl.algo.aggregation import Normalizer
+    from sparserl.algo.loss import LossConfig, policy_objective
+
+    logp, old, _, mask, _ = _gspo_batch()
+    cfg = LossConfig(policy_loss=name, clip_low=CL, clip_high=CH, loss_agg=agg)
+    loss, m = policy_objective(cfg, logp, old, adv, mask, Normalizer(tokens=mask.sum().item(), seqs=5.0), weights=weights)
+    loss.backward()
+    return loss.item(), logp.grad, m
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+def test_gspo_loss_and_gradient_by_hand_with_correction_weights(agg):
+    logp, old, adv, mask, weights = _gspo_batch()
+    loss, grad, m = _objective("gspo", agg, adv, weights)
+    want, want_grad = _hand_gspo(logp.detach(), old, adv.expand_as(mask), mask, weights, agg, per_token_weights=False)
+    assert loss == pytest.approx(want, rel=1e-12)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-14)
+    assert (grad[1] == 0).all() and (grad[2] == 0).all() and (grad[4] == 0).all()
+    assert (grad[0][mask[0] > 0] != 0).all() and (grad[3][mask[3] > 0] != 0).all()
+    # clip shares count the loss tokens of the clipped sequences: 4 below (row 1), 5 above (row 2) of 14
+    assert m["actor/clip_frac_low"] == pytest.approx(4 / 14) and m["actor/clip_frac_high"] == pytest.approx(5 / 14)
+    assert m["actor/clip_frac"] == pytest.approx(9 / 14)
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+def test_gspo_token_loss_and_gradient_by_hand_with_per_token_advantages(agg):
+    logp, old, _, mask, weights = _gspo_batch()
+    g = torch.Generator().manual_seed(11)
+    adv = torch.randn(5, 5, generator=g, dtype=torch.float64) * mask  # both signs inside a sequence
+    loss, grad, _ = _objective("gspo_token", agg, adv, weights)
+    want, want_grad = _hand_gspo(logp.detach(), old, adv, mask, weights, agg, per_token_weights=True)
+    assert loss == pytest.approx(want, rel=1e-12)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+def test_gspo_and_gspo_token_agree_on_sequence_advantages_and_differ_only_by_the_weights(agg):
+    _, _, adv, _, weights = _gspo_batch()
+    seq = _objective("gspo", agg, adv, None)
+    tok = _objective("gspo_token", agg, adv, None)
+    assert seq[0] == pytest.approx(tok[0], rel=1e-12)
+    torch.testing.assert_close(seq[1], tok[1], rtol=1e-10, atol=1e-15)
+    # with the correction's token weights: GSPO takes their geometric mean per sequence, GSPO-token each token's
+    assert not torch.allclose(_objective("gspo", agg, adv, weights)[1], _objective("gspo_token", agg, adv, weights)[1])
+
+
+def test_gspo_vanishes_at_zero_advantage_and_refuses_dual_clip():
+    from sparserl.algo.policy_loss import SEQUENCE_RATIO, VANISH_AT_ZERO_ADVANTAGE
+
+    assert {"gspo", "gspo_token"} <= VANISH_AT_ZERO_ADVANTAGE and SEQUENCE_RATIO == {"gspo"}
+    for name in ("gspo", "gspo_token"):
+        logp, old, _, mask, _ = _gspo_batch()
+        loss, _ = POLICY_LOSSES[name](logp, old, torch.zeros(5, 1, dtype=torch.float64), mask, CL, CH)
+        (loss * mask).sum().backward()
+        assert torch.equal(loss, torch.zeros_like(loss)) and torch.equal(logp.grad, torch.zeros_like(logp))
+        with pytest.raises(ValueError, match="dual_clip"):
+            POLICY_LOSSES[name](logp, old, torch.ones(5, 1, dtype=torch.float64), mask, CL, CH, dual_clip=3.0)
