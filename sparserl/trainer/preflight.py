@@ -10,7 +10,8 @@ left is what needs the machine: SGLang installed with its plugins (rollout.engin
 the env module,
 every data row, the eval sets of `trainer.eval_every`, and last the model path (the one check that imports
 torch): not a LoRA adapter folder (those are evaluated, `python -m sparserl.eval`), safetensors weights
-(pickle files only with `model.allow_pickle_weights=true`) and free disk for one checkpoint in `trainer.output_dir`
+(pickle files only with `model.allow_pickle_weights=true`) and free disk in `trainer.output_dir` for what the run
+holds at its peak (`trainer.keep_last` checkpoints plus the one being written, and the `hf/` export)
 (a LoRA checkpoint holds only the adapters and is not measured). Each failure is a `UserError` naming the key or the file and row.
 
 `parallel.tp` x `parallel.cp` must divide the number of processes (torchrun's WORLD_SIZE).
@@ -75,7 +76,9 @@ def validate_inputs(cfg: Config, runs_root: str = GRPO_ROOT) -> Inputs:
     model_path = resolve_model_path(cfg.model.path)
     check_weight_files(model_path, cfg.model.allow_pickle_weights)
     if cfg.actor.lora.rank <= 0:  # a LoRA checkpoint holds the adapters only
-        check_free_disk(output_folder(cfg, runs_root), model_path)
+        t = cfg.trainer
+        check_free_disk(output_folder(cfg, runs_root), model_path,
+                        checkpoints=checkpoints_held(t.total_steps, t.save_every, t.keep_last), export_hf=t.export_hf)
     envs = checked_openreward(cfg) if openreward else None
     return Inputs(env=env, rows=rows, model_path=model_path, eval_sets=eval_sets, openreward=envs)
 
@@ -167,15 +170,37 @@ def checkpoint_bytes(model_path: str) -> int:
     return sum(f.stat().st_size for f in files) // bytes_per_param * _CHECKPOINT_BYTES_PER_PARAM
 
 
-def check_free_disk(output_dir: str, model_path: str, key: str = "trainer.output_dir") -> None:
-    """Refuse to start when the output folder's disk cannot hold one checkpoint."""
+def checkpoints_held(total_steps: int, save_every: int, keep_last: int) -> int:
+    """The most checkpoints a run holds on disk at once: `keep_last` complete ones plus the one being written (the
+    oldest goes only once the new one is complete), at most as many as it saves (every `save_every` steps and at
+    the end); keep_last=0 keeps them all."""
+    saves = (total_steps // save_every if save_every else 0) + 1
+    return min(saves, keep_last + 1) if keep_last > 0 else saves
+
+
+def check_free_disk(output_dir: str, model_path: str, key: str = "trainer.output_dir", checkpoints: int = 1,
+                    export_hf: bool = False) -> None:
+    """Refuse to start when the output folder's disk cannot hold what the run writes at its peak: `checkpoints`
+    checkpoints at once (`checkpoints_held`) and, with `export_hf`, the exported policy (the weights' files)."""
     import shutil
 
-    need = checkpoint_bytes(model_path)
+    one = checkpoint_bytes(model_path)
+    hf = _weight_bytes(model_path) if export_hf else 0
+    need = checkpoints * one + hf
     free = shutil.disk_usage(_nearest_existing(Path(output_dir).expanduser().absolute())).free
-    if need and free < need:
-        raise UserError(f"{key}={output_dir}: {free / 2**30:.2f} GiB free on its disk, but one checkpoint of this model "
-                        f"takes about {need / 2**30:.2f} GiB (weights and optimizer state); free space or choose another {key}")
+    if one and free < need:
+        what = (f"one checkpoint of this model takes about {one / 2**30:.2f} GiB (weights and optimizer state)"
+                if checkpoints == 1 else
+                f"the run holds up to {checkpoints} checkpoints at once (trainer.keep_last and the one being written) "
+                f"of about {one / 2**30:.2f} GiB each (weights and optimizer state)")
+        what += f", and its hf/ export about {hf / 2**30:.2f} GiB" if hf else ""
+        raise UserError(f"{key}={output_dir}: {free / 2**30:.2f} GiB free on its disk, but {what}: "
+                        f"{need / 2**30:.2f} GiB; free space, lower trainer.keep_last, or choose another {key}")
+
+
+def _weight_bytes(model_path: str) -> int:
+    folder = Path(model_path)
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else 0
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -37,7 +37,7 @@ from sparserl.actor.actor import Actor, Normalizer, TrainBatch
 from sparserl.actor.export import export_final
 from sparserl.actor.hf import load_tokenizer, resolve_model_path
 from sparserl.cli import parse_cli
-from sparserl.config import Config, to_dict, to_yaml
+from sparserl.config import SFT_CONFIG_HEADER, Config, to_dict, to_yaml
 from sparserl.data.dataset import PromptRow, format_prompt
 from sparserl.parallel import all_reduce_sum, teardown
 from sparserl.trainer.build import start_processes
@@ -181,7 +181,7 @@ def train(cfg: Config) -> None:
     out = Path(cfg.trainer.output_dir)
     if info.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(to_yaml(cfg))
+        (out / "config.yaml").write_text(SFT_CONFIG_HEADER + to_yaml(cfg))
         write_run_file(out, new_run_id())
     logger = MetricsLogger(out, info.rank, to_dict(cfg), cfg.logger.wandb.mode, cfg.logger.wandb.project,
                            cfg.logger.wandb.name, console=False, total_steps=cfg.trainer.total_steps)
