@@ -34,14 +34,6 @@ CODE_DTYPES = {"int8": torch.int8, "fp8": torch.uint8}  # fp8: the e4m3fn bytes
 FP8 = torch.float8_e4m3fn
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """The `rollout.kv_dtype` name of a float dtype (bf16, fp16, fp32)."""
-    for name, d in FLOATS.items():
-        if d == dtype:
-            return name
-    raise ValueError(f"no KV dtype name for {dtype}")
-
-
 def quantize(x: Tensor, kind: str) -> tuple[Tensor, Tensor]:
     """(N, H, D) floats -> codes (N, H, D) in `CODE_DTYPES[kind]` and scales (N, H) float32, one per row of D.
     Dequantized, each element is within half a code step (scale / 2) of its value for int8, and within e4m3's
@@ -65,7 +57,7 @@ def dequantize(codes: Tensor, scale: Tensor, kind: str, dtype: torch.dtype) -> T
 
 @dataclass(frozen=True)
 class KVFormat:
-    """What a pool entry is stored as. `name`: the resolved `rollout.kv_dtype` (auto -> the compute dtype's name)."""
+    """What a pool entry is stored as. `name`: `rollout.kv_dtype` (auto: the compute dtype)."""
 
     name: str
     compute: torch.dtype  # what reads return: the model's dtype
@@ -77,11 +69,13 @@ class KVFormat:
     @property
     def plain(self) -> bool:
         """Stored as the compute dtype: the pool is a plain tensor."""
-        return not self.quantized and FLOATS[self.name] == self.compute
+        return self.name == "auto" or (not self.quantized and FLOATS[self.name] == self.compute)
 
     @property
     def storage(self) -> torch.dtype:
-        return CODE_DTYPES[self.name] if self.quantized else FLOATS[self.name]
+        if self.quantized:
+            return CODE_DTYPES[self.name]
+        return self.compute if self.name == "auto" else FLOATS[self.name]
 
     def element_and_scale_bytes(self) -> tuple[int, int]:
         """(bytes of one cached element, bytes of the scale stored per (token, KV head) row)."""
@@ -101,7 +95,7 @@ def resolve_kv_dtype(name: str, compute: torch.dtype) -> KVFormat:
     """`rollout.kv_dtype` for a model computing in `compute`; ValueError naming the key for an unknown value."""
     if name not in KV_DTYPES:
         raise ValueError(f"rollout.kv_dtype={name!r}: must be one of {', '.join(KV_DTYPES)}")
-    return KVFormat(dtype_name(compute) if name == "auto" else name, compute)
+    return KVFormat(name, compute)
 
 
 class KVStore:
