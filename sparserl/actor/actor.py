@@ -35,6 +35,7 @@ from sparserl.actor.hf import load_model, load_model_rank0, load_on_choice, pars
 from sparserl.actor.logprobs import DEFAULT_CHUNK_MB, PackedSeqs, host_to_device, packed_logprobs, prompt_key
 from sparserl.actor.optim import build_optimizer, build_scheduler
 from sparserl.actor.parallelize import materialize, parallelize
+from sparserl.algo.advantages import zero_advantage
 from sparserl.algo.aggregation import Normalizer
 from sparserl.data.packing import contiguous_minibatches, split_microbatches, split_shared_microbatches
 from sparserl.actor.context_parallel import CPGroup, check_model
@@ -168,7 +169,7 @@ class Actor:
         advantage (a prompt's samples stay together, so shared prompts are still computed once)."""
         if not self.skip_zero_advantage or not index:
             return index, []
-        zero = (batch.advantages[index] == 0).reshape(len(index), -1).all(-1).tolist()  # per-token: every token's
+        zero = zero_advantage(batch.advantages[index]).tolist()
         keys = [prompt_key(batch.ids[i], batch.prompt_lens[i]) for i in index] if self.share_prompts else index
         signal = {k for k, z in zip(keys, zero) if not z}
         trained = [i for i, k in zip(index, keys) if k in signal]

@@ -230,6 +230,11 @@ def _metrics(adv: Tensor, r: Tensor, valid: Tensor, mask: Tensor | None) -> dict
     return metrics_to_floats(metrics)
 
 
+def zero_advantage(advantages: Tensor) -> Tensor:
+    """(B,) bool: the sequences whose advantage, or every token's for per-token advantages (B, T), is exactly 0."""
+    return (advantages == 0).reshape(advantages.shape[0], -1).all(-1)
+
+
 def reward_signal(name: str, rewards: Tensor, valid: Tensor | None = None) -> Tensor:
     """(G, n) bool: the members whose reward alone gives them a learning signal under estimator `name`, judged
     without a KL penalty or a critic. With a group baseline: a valid member whose reward differs from its group's
