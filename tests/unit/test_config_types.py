@@ -6,8 +6,8 @@ from sparserl.config.load import load_config
 from sparserl.utils.errors import UserError
 
 CASES = [
-    ("trainer.total_steps=abc", "trainer.total_steps=abc: trainer.total_steps wants an integer, e.g. trainer.total_steps=30"),
-    ("trainer.total_steps=1.5", "trainer.total_steps=1.5: trainer.total_steps wants an integer, e.g. trainer.total_steps=30"),
+    ("trainer.total_steps=abc", "trainer.total_steps=abc: trainer.total_steps wants an integer, e.g. trainer.total_steps=15"),
+    ("trainer.total_steps=1.5", "trainer.total_steps=1.5: trainer.total_steps wants an integer, e.g. trainer.total_steps=15"),
     ("actor.lr=abc", "actor.lr=abc: actor.lr wants a number, e.g. actor.lr=5e-06"),
     ("trainer.export_hf=maybe", "trainer.export_hf=maybe: trainer.export_hf wants true or false, e.g. trainer.export_hf=true"),
     ("actor.betas=[a,b]", "actor.betas=[a,b]: actor.betas wants a list of numbers, e.g. actor.betas=[0.9,0.999]"),
