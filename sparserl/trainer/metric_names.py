@@ -31,7 +31,8 @@ GROUPS: dict[str, str] = {
     "score": "The env's score (its own measure of success, reported beside the reward), over all ranks.",
     "response": "Lengths and endings of the sampled responses, over all ranks.",
     "env": "How the episodes went, over all ranks.",
-    "adv": "Group advantages (`algo.adv_estimator`) of the sequences on rank 0.",
+    "adv": ("Advantages (`algo.adv_estimator`) of the sequences on rank 0: one per sequence, or for a per-token "
+            "estimator (reinforce_pp, reinforce_pp_baseline) one per loss token, over those tokens."),
     "dynamic": ("Dynamic sampling (`algo.dynamic_sampling.enable=true`): the step's rollout rounds and the groups "
                 "(a prompt's `rollout.n` samples) with a learning signal, over all data-parallel ranks "
                 "(docs/training.md). With it on, the reward/, score/, response/, env/ and kv/ metrics cover every "
@@ -117,10 +118,13 @@ METRICS: tuple[Metric, ...] = (
     Metric("env/timeout_frac", "Share of samples whose env call ran past `env.step_timeout_s` (reward 0)"),
     Metric("env/turns_mean", "Mean model turns per episode"),
     # adv/
-    Metric("adv/mean", "Mean advantage over the sequences counted in their group's baseline"),
+    Metric("adv/mean", "Mean advantage over the sequences counted in their group's baseline (per-token: their loss "
+           "tokens; whitened over every rank's, so near 0 but not 0 on one rank)"),
     Metric("adv/std", "Standard deviation of those advantages"),
     Metric("adv/abs_max", "Largest absolute advantage"),
-    Metric("adv/zero_std_group_frac", "Share of groups whose rewards all tie: their advantages are 0 (no learning signal)"),
+    Metric("adv/zero_std_group_frac", "Share of groups whose rewards all tie: no reward signal under a group baseline "
+           "(their advantages are 0, or under reinforce_pp_baseline only the whitening's shift and the KL's), a reward "
+           "above or below the batch's under reinforce_pp"),
     Metric("adv/valid_frac", "Share of sequences counted in their group's baseline (below 1 only with "
            "`algo.correction.rejected_in_baseline=false` and rejected sequences)"),
     # dynamic/
@@ -146,7 +150,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("actor/kl", "The KL term: KL estimate (`algo.kl.estimator`) of the policy to the reference, aggregated "
            "as the loss is, before `algo.kl.coef`", "`algo.kl.coef > 0`, `algo.kl.mode=loss`"),
     Metric("actor/entropy", "Mean entropy of the policy's next-token distribution on response tokens (aggregated as the loss is)"),
-    Metric("actor/clip_frac", "Share of response tokens whose ratio pi/pi_old was clipped (no gradient under PPO)"),
+    Metric("actor/clip_frac", "Share of response tokens whose ratio pi/pi_old was clipped (no gradient under PPO; "
+           "under GSPO the tokens of the sequences whose sequence ratio was)"),
     Metric("actor/clip_frac_low", "Share clipped below at 1 - `algo.clip_low` (negative advantage under PPO)"),
     Metric("actor/clip_frac_high", "Share clipped above at 1 + `algo.clip_high` (positive advantage under PPO)"),
     Metric("actor/dual_clip_frac", "Share of negative-advantage tokens whose loss the dual clip bounded",
