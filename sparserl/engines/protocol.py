@@ -33,6 +33,7 @@ class EngineStats:
     peak_slots: int = 0  # high-water mark of the slot pool (slots per layer)
     pool_slots: int = 0
     peak_running: int = 0  # most sequences decoding at once
+    running_sum: int = 0  # sequences in each forward step, summed over the steps (mean running = / forward_steps)
     retractions: int = 0  # running sequences that gave their KV back and were prefilled again (native engine)
     recomputed_tokens: int = 0  # tokens whose KV those re-prefills computed again
     compressions: int = 0
@@ -46,6 +47,11 @@ class EngineStats:
     @property
     def peak_kv_bytes(self) -> int:
         return self.peak_slots * self.kv_bytes_per_slot
+
+    @property
+    def mean_running(self) -> float:
+        """Sequences per forward step, on average (0 where the engine does not count them)."""
+        return self.running_sum / self.forward_steps if self.forward_steps else 0.0
 
     @property
     def tok_per_s(self) -> float:

@@ -379,6 +379,7 @@ class NativeEngine:
         if self.compression is not None:
             self.compression.after_step([s for s in sampled if s.finish_reason is None], scheduler)
         self._stats.peak_running = max(self._stats.peak_running, len(scheduler.running) + finished)
+        self._stats.running_sum += len(scheduler.running) + finished
         if progress is not None and finished:
             progress(finished)
         if self.trace is not None:
