@@ -25,7 +25,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-outputs/gpu_check}
-stages=${STAGES:-probe tests decode train}
+stages=${STAGES:-probe tests decode train kv_memory}
 PY=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false SPARSERL_PROGRESS=0
@@ -33,18 +33,20 @@ declare -A status
 if [ "${DRY_RUN:-0}" = 1 ]; then
   device=(--device cpu --dtype float32 --dry-run)
   probe=(--dry-run)
+  kvmem=(--gpu --device cpu --shape tiny --prompts 2 --n 2 --max-new-tokens 8 --bitwise-prompts 1)
   # On a CPU the kernel runs under triton's interpreter (seconds a case): the engine-shape cases only; tests/gpu skips.
   kernel_tests=(tests/unit/test_paged_decode_kernel.py::test_engine_shape_qwen25_1p5b)
 else
   device=(--device cuda)
   probe=()
+  kvmem=(--gpu --prompts 8 --max-new-tokens 256 --bitwise-prompts 2)  # 8 x 8 sequences at the Qwen2.5-1.5B shape, rows as measured
   kernel_tests=(tests/unit/test_paged_decode_kernel.py)
 fi
 
 # The limits, in seconds, with the 10 s for SIGKILL inside each; together at most 450 s (7.5 minutes).
 LIMIT_PROBE=${LIMIT_PROBE:-30} LIMIT_TESTS=${LIMIT_TESTS:-150} LIMIT_DECODE=${LIMIT_DECODE:-120}
 LIMIT_TRAIN=${LIMIT_TRAIN:-90}
-LIMIT_RESERVED=${LIMIT_RESERVED:-60}  # kept free for the stage below that is not written yet
+LIMIT_KVMEM=${LIMIT_KVMEM:-60}
 
 stage() {  # stage NAME LIMIT_S COMMAND...
   local name=$1 limit=$2
@@ -61,7 +63,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...
 }
 
 echo "=== gpu_check: stages '$stages', limits probe $LIMIT_PROBE + tests $LIMIT_TESTS + decode $LIMIT_DECODE + train" \
-     "$LIMIT_TRAIN + reserved $LIMIT_RESERVED = $((LIMIT_PROBE + LIMIT_TESTS + LIMIT_DECODE + LIMIT_TRAIN + LIMIT_RESERVED)) s"
+     "$LIMIT_TRAIN + kv_memory $LIMIT_KVMEM = $((LIMIT_PROBE + LIMIT_TESTS + LIMIT_DECODE + LIMIT_TRAIN + LIMIT_KVMEM)) s"
 
 stage probe "$LIMIT_PROBE" $PY scripts/gpu_probe.py "${probe[@]}"
 stage tests "$LIMIT_TESTS" $PY -m pytest -p no:cacheprovider --order-seed=off -v -rfEs --durations=15 \
@@ -70,11 +72,9 @@ stage tests "$LIMIT_TESTS" $PY -m pytest -p no:cacheprovider --order-seed=off -v
 stage decode "$LIMIT_DECODE" $PY benchmarks/gpu_decode.py "${device[@]}" --kv-new-tokens 1024
 stage train "$LIMIT_TRAIN" $PY benchmarks/train_step.py "${device[@]}"
 
-# ---------------------------------------------------------------------------------------------------------------
-# RESERVED (LIMIT_RESERVED = 60 s of the 450): the next stage goes here, a rollout at a fixed KV memory
-# (rollout.kv_memory) at the Qwen2.5-1.5B shape. Add its name to the default `stages` above and one line:
-#   stage kv_memory "$LIMIT_RESERVED" $PY benchmarks/<its script>.py "${device[@]}"
-# ---------------------------------------------------------------------------------------------------------------
+# The rollout half of benchmarks/fixed_memory.py at a fixed KV memory (8 dense sequences' bytes) at the Qwen2.5-1.5B
+# shape, random weights, captured decode on: dense reservation / optimistic, R-KV tail, int8 KV, R-KV + int8 KV.
+stage kv_memory "$LIMIT_KVMEM" $PY benchmarks/fixed_memory.py "${kvmem[@]}"
 
 echo "=== summary"
 failed=0
