@@ -7,7 +7,7 @@ and the mismatch the pool's dtype adds, dense and with R-KV.
 Every row decodes the same prompts with the same seeds at temperature 1, ignoring EOS, in a pool of the same bytes:
 `--dense-for` dense sequences of the longest prompt + `--new-tokens` in the model's dtype (so `auto` holds exactly
 that many, int8 about twice as many in bf16). Admission is optimistic (the engine's default). Columns:
-- B / entry: one token's keys and values in every layer, scales included (`engines/kv_memory.py` entry_bytes);
+- B / entry: one token's keys and values in every layer, scales included (`utils/kv_memory.py` entry_bytes);
 - entries / MB and pool entries: what the fixed memory holds in that dtype;
 - running: most sequences decoding at once; retractions: sequences that gave their KV back and were prefilled again;
 - KL/tok: mean of logp_sampler - logp_dense over the sampled tokens, logp_dense a full-attention recompute of the
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import bench_device, gsm8k_prompts, machine, print_table  # noqa: E402
 from sparserl.actor.hf import load_model, load_tokenizer, parse_dtype  # noqa: E402
 from sparserl.actor.logprobs import PackedSeqs, packed_logprobs  # noqa: E402
-from sparserl.engines.kv_memory import entry_bytes  # noqa: E402
+from sparserl.utils.kv_memory import entry_bytes  # noqa: E402
 from sparserl.engines.native.engine import NativeEngine  # noqa: E402
 from sparserl.engines.native.runner import kv_geometry  # noqa: E402
 from sparserl.engines.types import GenerationRequest, SamplingParams  # noqa: E402

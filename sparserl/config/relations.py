@@ -63,7 +63,7 @@ def _prepack_applies(cfg) -> None:
 
 def _kv_memory_fraction_device(cfg) -> None:
     # parallel.device=auto on a machine without CUDA is checked again where the pool is sized (engine_options/build.py).
-    from sparserl.engines.kv_memory import parse_kv_memory  # plain Python
+    from sparserl.utils.kv_memory import parse_kv_memory  # plain Python
 
     if parse_kv_memory(cfg.rollout.kv_memory).fraction > 0 and cfg.parallel.device == "cpu":
         raise ConfigError(f"rollout.kv_memory={cfg.rollout.kv_memory} is a fraction of the free device memory, which "

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 from sparserl.algo.correction_config import CorrectionConfig
 from sparserl.config.fields import (COUNT, NON_EMPTY, NON_NEG, PROB, ConfigError, Rule, above, each, opt, or_null,
                                     show, within)
-from sparserl.engines.kv_memory import KV_DTYPES, SYNTAX, is_kv_memory, parse_kv_memory
+from sparserl.utils.kv_memory import KV_DTYPES, SYNTAX, is_kv_memory, parse_kv_memory
 from sparserl.kv.policy import KVPolicyConfig
 
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64", "fp64")  # actor/hf.py DTYPES
@@ -167,7 +167,7 @@ class RolloutConfig:
                               "in (0, 1) of the device memory free when the engine is sized (0.3; CUDA), or 0 "
                               "(unset); entries = bytes / (2 x layers x KV heads x (head dim x element bytes + scale "
                               "bytes)), of rollout.kv_dtype; give it or rollout.kv_pool_tokens, not both "
-                              "(sparserl/engines/kv_memory.py)",
+                              "(sparserl/utils/kv_memory.py)",
                          rule=Rule(is_kv_memory, SYNTAX))
     kv_dtype: str = opt("auto", "what the KV pool stores: auto (= rollout.dtype) | bf16 | fp16 | fp32 | int8 | fp8; "
                                 "int8: 1 byte per element + a float32 scale per token and KV head; fp8: e4m3, the "

@@ -1,7 +1,7 @@
 """The KV pool of a run's engine in entries, from `rollout.kv_memory` (bytes) and the model's shape, and what it
 holds, said once at start-up.
 
-An entry is one token's keys and values in every layer (`engines/kv_memory.py` `entry_bytes`: 2 x layers x KV heads x
+An entry is one token's keys and values in every layer (`utils/kv_memory.py` `entry_bytes`: 2 x layers x KV heads x
 (head dim x the element's bytes + a quantized pool's scale bytes), of `rollout.kv_dtype`, auto = `rollout.dtype`); an
 SGLang engine with `parallel.tp` ranks holds its share of the KV heads on each, and `rollout.kv_memory` is per
 device. A memory that holds no sequence of the run's longest prompt
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from sparserl.config import Config
-from sparserl.engines.kv_memory import at_least, entry_bytes, kv_element_bytes, mb, parse_kv_memory
+from sparserl.utils.kv_memory import at_least, entry_bytes, kv_element_bytes, mb, parse_kv_memory
 from sparserl.kv import CompressionSchedule, KVPolicyConfig
 from sparserl.kv.schedule import keep_floor
 from sparserl.utils.errors import UserError

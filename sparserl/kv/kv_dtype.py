@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparserl.engines.kv_memory import KV_DTYPES, QUANTIZED_KV, kv_element_bytes
+from sparserl.utils.kv_memory import KV_DTYPES, QUANTIZED_KV, kv_element_bytes
 
 FLOATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest code: int8's symmetric range, float8 e4m3fn's largest finite value

@@ -14,7 +14,7 @@ from sparserl.config.fields import ConfigError
 from sparserl.config.load import load_config
 from sparserl.engine_options.build import sglang_kv_cache_dtype
 from sparserl.engine_options.sizing import SequenceSize, memory_slots, pool_line
-from sparserl.engines.kv_memory import entry_bytes
+from sparserl.utils.kv_memory import entry_bytes
 from sparserl.engines.native.engine import NativeEngine
 from sparserl.engines.sglang.options import SGLangOptions
 from sparserl.engines.types import GenerationRequest, SamplingParams

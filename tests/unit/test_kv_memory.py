@@ -7,7 +7,7 @@ from sparserl.config.fields import ConfigError
 from sparserl.config.load import load_config
 from sparserl.engine_options.build import pool_slots, sglang_options
 from sparserl.engine_options.sizing import SequenceSize, memory_slots, pool_line, pool_is_sized
-from sparserl.engines.kv_memory import KVMemory, entry_bytes, parse_kv_memory
+from sparserl.utils.kv_memory import KVMemory, entry_bytes, parse_kv_memory
 from sparserl.engines.native.engine import NativeEngine
 from sparserl.utils.errors import run_main
 from tests.conftest import tiny_config, tiny_model

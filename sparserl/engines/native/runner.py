@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from sparserl.model.attention import ForwardContext, Span, forward_context, use_packed_attention
-from sparserl.engines.kv_memory import entry_bytes
+from sparserl.utils.kv_memory import entry_bytes
 from sparserl.kv.kv_dtype import KVFormat, entry_parts, resolve_kv_dtype
 from sparserl.engines.native.decode_cache import DecodeCache
 from sparserl.engines.native.graph_step import StaticDecode

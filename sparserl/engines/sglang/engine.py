@@ -371,7 +371,7 @@ def _default_eos(model_path: str, tokenizer) -> frozenset[int]:
 def _kv_bytes_per_token(model_path: str, dtype: str, kv_cache_dtype: str | None = None) -> int:
     from transformers import AutoConfig
 
-    from sparserl.engines.kv_memory import entry_bytes
+    from sparserl.utils.kv_memory import entry_bytes
 
     c = AutoConfig.from_pretrained(model_path)
     c = c.get_text_config() if hasattr(c, "get_text_config") else c
