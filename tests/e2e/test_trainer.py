@@ -111,7 +111,8 @@ def test_dense_run_parity_env_errors_and_export(tiny_checkpoint, task, tmp_path)
     assert "done: 2 of 2 steps" in res.stdout and f"report:   python -m sparserl.report {out}" in res.stdout
     for noise in ("Loading weights", "Writing model shards", "FutureWarning"):  # library noise stays off the console
         assert noise not in res.stdout + res.stderr, noise
-    pool = re.search(r"rollout engine native: KV pool (\d+) tokens x (\d+) B = ([\d.]+) GiB", res.stdout + res.stderr)
+    pool = re.search(r"rollout engine native: KV pool [\d.]+ [KMG]B \([^)]*\) = (\d+) entries x (\d+) B",
+                     res.stdout + res.stderr)
     assert pool and int(pool[1]) > 0 and int(pool[2]) > 0, "the run's log must say the KV pool the engine got"
 
 
