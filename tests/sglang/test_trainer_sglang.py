@@ -51,7 +51,9 @@ def test_fp32_rollouts_match_the_actor_before_and_after_a_weight_sync(tiny_check
     assert rows[0]["actor/grad_norm"] > 0
     # The pool SGLang allocated, read back from the started engine: the run's pool (rollout.kv_pool_tokens or
     # every sequence of a step at its dense length), here 2 prompts x 4 samples per rank.
-    pool = re.search(r"rollout engine sglang: KV pool (\d+) tokens x (\d+) B = ([\d.]+) GiB", proc.stdout + proc.stderr)
+    log = proc.stdout + proc.stderr  # the pool line with its sizes (engine_options/sizing.py), or the bare one
+    pool = (re.search(r"rollout engine sglang: KV pool [\d.]+ [KMG]B(?: \([^)]*\))? = (\d+) entries x (\d+) B", log)
+            or re.search(r"rollout engine sglang: KV pool (\d+) tokens x (\d+) B = ([\d.]+) GiB", log))
     assert pool and int(pool[1]) > 0 and int(pool[2]) > 0, proc.stdout[-2000:]
     # Every logged value but the timings, bitwise (tests/golden); the sampler's log-probs only to 1e-6: SGLang
     # batches the requests as they arrive, so their last bits vary from run to run (the sampled tokens do not).
