@@ -340,6 +340,8 @@ def rollout_half(row: Row, cfg, model_path: str, tokenizer, prompts: Prompts, lo
            "tokens": [g.token_ids for g in gens], "logps": [g.logp_sparse for g in gens]}
     if with_xi and cfg.rollout.engine == "native":
         res["xi_p05"] = xi_p05(engine.runner.model, gens, device)
+    if keep_weights and model is None:
+        engine.close()  # this row's own weights (and their packed copies) go with it
     return res
 
 
@@ -628,6 +630,13 @@ def bitwise(args, t, model, tok, prompts: Prompts, longest: int, memory: str, da
     """The keyed-draw check: the first prompts again, alone, in a pool of twice the memory."""
     k = min(args.bitwise_prompts, len(prompts.ids))
     lines = []
+    reserve, optimistic = results.get("dense_reserve"), results.get(REFERENCE)
+    if reserve and optimistic and "tokens" in reserve and "tokens" in optimistic:  # one pool, two schedules: free
+        same = sum(x == y for x, y in zip(reserve["tokens"], optimistic["tokens"]))
+        lines.append(f"keyed draw across schedules, dense reservation vs optimistic (the same pool, {reserve['peak_running']} "
+                     f"vs {optimistic['peak_running']} running at most, {optimistic['retractions']} retractions): {same}/"
+                     f"{len(reserve['tokens'])} sequences with the same token ids")
+        print(lines[-1], flush=True)
     for name in (REFERENCE, "rkv_tail"):
         full = results.get(name)
         if k == 0 or not full or "error" in full:
