@@ -337,6 +337,7 @@ def rollout_half(row: Row, cfg, model_path: str, tokenizer, prompts: Prompts, lo
            "bytes_per_slot": st.kv_bytes_per_slot, **budget_of(cfg),
            "mean_len": sum(len(g.token_ids) for g in gens) / len(gens), "reward": rewards(gens, prompts.answers, env),
            "kept": sum(g.kv.retained_tokens for g in gens) / max(1, sum(g.kv.total_tokens for g in gens)),
+           "graph_capture_s": st.extra.get("rollout/graph_capture_s"),
            "tokens": [g.token_ids for g in gens], "logps": [g.logp_sparse for g in gens]}
     if with_xi and cfg.rollout.engine == "native":
         res["xi_p05"] = xi_p05(engine.runner.model, gens, device)
@@ -685,14 +686,16 @@ def gpu_main(args, out: Path, t0: float) -> None:
         else:
             cfg = load_row_config([*row_overrides(row, t, folder, data, out / "runs" / row.name, memory), *extra])
             results[row.name] = rollout_half(row, cfg, folder, None, prompts, prompt_len, device, model=model, with_xi=True)
-            results[row.name]["graph_capture_s"] = None
         print("| " + " | ".join(map(str, cells(row, results[row.name], results.get(REFERENCE)))) + " |", flush=True)
     ns = argparse.Namespace(**vars(args))
     lines = bitwise(ns, t, folder, None, prompts, prompt_len, memory, data, out, results, device, model)
     print()
     print_table(HEADERS, [cells(r, results[r.name], results.get(REFERENCE)) for r in rows],
                 title=f"--gpu {args.shape} at rollout.kv_memory={memory}")
-    print("\n".join([*lines, *goals(results), f"machine: {machine()}; wall {(time.perf_counter() - t0) / 60:.1f} min"]))
+    captures = ", ".join(f"{name} {r['graph_capture_s']:.1f}" for name, r in results.items()
+                         if isinstance(r.get("graph_capture_s"), float))
+    print("\n".join([*lines, *goals(results), *([f"graph capture s (inside the timed generate): {captures}"] if captures else []),
+                     f"machine: {machine()}; wall {(time.perf_counter() - t0) / 60:.1f} min"]))
 
 
 if __name__ == "__main__":

@@ -118,3 +118,18 @@ def test_goals_and_bitwise_lines():
     line = bitwise_line("dense", full, small, 1, 2, (10, 20))
     assert "1/2 sequences with the same token ids" in line and "5.00e-01" in line
     assert "first differing: prompt 0 sample 1, at token 1" in line
+
+
+def test_gpu_mode_runs_its_rollout_half_on_the_cpu_at_a_tiny_shape(tmp_path, capsys):
+    from benchmarks import fixed_memory as fm
+
+    fm.main(["--gpu", "--device", "cpu", "--shape", "tiny", "--prompts", "2", "--n", "2", "--max-new-tokens", "8",
+             "--dense-seqs", "2", "--bitwise-prompts", "1", "--rows", "dense_optimistic", "rkv_tail",
+             "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "--gpu: tiny random weights (bfloat16) on cpu" in out and "captured decode off (not CUDA)" in out
+    rows = _rows(out.split("**--gpu tiny", 1)[1])
+    assert set(rows) == {"dense, optimistic", "R-KV tail"}
+    assert float(rows["dense, optimistic"][1]) > 0 and rows["dense, optimistic"][3] != "- / -"
+    assert 0 < float(rows["dense, optimistic"][10]) <= 1.5  # the mismatch tail, measured in place of training
+    assert out.count("2/2 sequences with the same token ids") == 4  # as measured, and again under the table
