@@ -373,7 +373,7 @@ def train_half(row: Row, overrides: list[str], run_dir: Path, log: Path, steps: 
 
     return {"step_s": mean("perf/step_s"), "rollout_s": mean("perf/rollout_s"), "xi_p05": mean("sampler/xi_p05"),
             "rejected": mean("sampler/rejected_seq_frac"), "train_retractions": mean("kv/retractions"),
-            "budgets": [m.get("kv/budget") for m in metrics], "wall_s": time.perf_counter() - t0,
+            "budgets": [m.get("kv/budget") for m in metrics], "train_wall_s": time.perf_counter() - t0,
             "cmd": shlex.join(["python", *cmd[1:]])}
 
 
