@@ -174,3 +174,27 @@ def train_matmul_floor(model, micro_batches: list[tuple[int, int]], chunk_rows: 
         for start in range(0, head_rows, chunk_rows):
             pairs += gemms(head, min(chunk_rows, head_rows - start), 2)
     return _best_mm_seconds(pairs, repeats)
+
+
+@torch.inference_mode()
+def log_ratios(model, gens, batch_tokens: int = 4096) -> torch.Tensor:
+    """(tokens,) logp_sampler - logp_dense of every sampled token, dense = a full-attention recompute."""
+    from sparserl.actor.logprobs import PackedSeqs, packed_logprobs
+
+    out, chunk = [], []
+
+    def flush():
+        seqs = PackedSeqs([g.prompt_token_ids + g.token_ids for g in chunk], [len(g.prompt_token_ids) for g in chunk])
+        logp, _ = packed_logprobs(model, seqs, next(model.parameters()).device)
+        logp = logp.float().cpu()
+        for row, g in enumerate(chunk):
+            out.append(torch.tensor(g.logp_sparse) - logp[row, : len(g.token_ids)])
+        chunk.clear()
+
+    for g in gens:
+        chunk.append(g)
+        if sum(len(c.prompt_token_ids) + len(c.token_ids) for c in chunk) >= batch_tokens:
+            flush()
+    if chunk:
+        flush()
+    return torch.cat(out) if out else torch.zeros(0)

@@ -35,10 +35,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import bench_device, gsm8k_prompts, machine, print_table  # noqa: E402
+from benchmarks.common import bench_device, gsm8k_prompts, log_ratios, machine, print_table  # noqa: E402
 from sparserl.actor.hf import load_model, load_tokenizer  # noqa: E402
 from sparserl.utils import precision  # noqa: E402
-from sparserl.actor.logprobs import PackedSeqs, packed_logprobs  # noqa: E402
 from sparserl.kv import KVPolicyConfig  # noqa: E402
 from sparserl.model.attention import use_packed_attention  # noqa: E402
 from sparserl.engines.native.engine import NativeEngine  # noqa: E402
@@ -75,30 +74,10 @@ def start_sglang(model, tokenizer, kv, num_slots, max_num_seqs, dtype):
     return SGLangEngine(model.sglang_path, options, tokenizer, seed=0)
 
 
-@torch.inference_mode()
 def mismatch_kl(model, gens, batch_tokens=4096):
     """Mean of logp_sparse - logp_dense over all sampled tokens (dense = full-attention recompute)."""
-    total, n = 0.0, 0
-    chunk: list = []
-
-    def flush():
-        nonlocal total, n
-        seqs = PackedSeqs([g.prompt_token_ids + g.token_ids for g in chunk], [len(g.prompt_token_ids) for g in chunk])
-        logp, _ = packed_logprobs(model, seqs, next(model.parameters()).device)
-        logp = logp.float().cpu()
-        for row, g in enumerate(chunk):
-            dense = logp[row, : len(g.token_ids)]
-            total += float((torch.tensor(g.logp_sparse) - dense).sum())
-            n += len(g.token_ids)
-        chunk.clear()
-
-    for g in gens:
-        chunk.append(g)
-        if sum(len(c.prompt_token_ids) + len(c.token_ids) for c in chunk) >= batch_tokens:
-            flush()
-    if chunk:
-        flush()
-    return total / max(n, 1)
+    ratios = log_ratios(model, gens, batch_tokens)
+    return float(ratios.sum()) / max(ratios.numel(), 1)
 
 
 def main() -> None:

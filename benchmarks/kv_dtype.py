@@ -24,9 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import bench_device, gsm8k_prompts, machine, print_table  # noqa: E402
+from benchmarks.common import bench_device, gsm8k_prompts, log_ratios, machine, print_table  # noqa: E402
 from sparserl.actor.hf import load_model, load_tokenizer, parse_dtype  # noqa: E402
-from sparserl.actor.logprobs import PackedSeqs, packed_logprobs  # noqa: E402
 from sparserl.utils.kv_memory import entry_bytes  # noqa: E402
 from sparserl.engines.native.engine import NativeEngine  # noqa: E402
 from sparserl.engines.native.runner import kv_geometry  # noqa: E402
@@ -35,28 +34,6 @@ from sparserl.kv import KVPolicyConfig  # noqa: E402
 from sparserl.kv.kv_dtype import resolve_kv_dtype  # noqa: E402
 from sparserl.model.attention import use_packed_attention  # noqa: E402
 from sparserl.utils import precision  # noqa: E402
-
-
-@torch.inference_mode()
-def log_ratios(model, gens, batch_tokens: int = 4096) -> torch.Tensor:
-    """(tokens,) logp_sampler - logp_dense of every sampled token, dense = a full-attention recompute."""
-    out, chunk = [], []
-
-    def flush():
-        seqs = PackedSeqs([g.prompt_token_ids + g.token_ids for g in chunk], [len(g.prompt_token_ids) for g in chunk])
-        logp, _ = packed_logprobs(model, seqs, next(model.parameters()).device)
-        logp = logp.float().cpu()
-        for row, g in enumerate(chunk):
-            out.append(torch.tensor(g.logp_sparse) - logp[row, : len(g.token_ids)])
-        chunk.clear()
-
-    for g in gens:
-        chunk.append(g)
-        if sum(len(c.prompt_token_ids) + len(c.token_ids) for c in chunk) >= batch_tokens:
-            flush()
-    if chunk:
-        flush()
-    return torch.cat(out)
 
 
 def main() -> None:

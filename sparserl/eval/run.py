@@ -25,10 +25,9 @@ from sparserl.data.dataset import format_prompt
 from sparserl.eval.datasets import EvalSet
 from sparserl.eval.metrics import SampleRecord, dataset_metrics
 from sparserl.engines.handle import EngineHandle
-from sparserl.engines.protocol import supports_sessions
 from sparserl.engines.types import SamplingParams
 from sparserl.rollout.episode import Sample
-from sparserl.rollout.worker import Rollouts
+from sparserl.rollout.worker import ProgressEngine, Rollouts
 from sparserl.utils.errors import UserError
 from sparserl.utils.logging import progress
 from sparserl.utils.seed import derive
@@ -86,20 +85,6 @@ def evaluate(engine: EngineHandle, tokenizer, cfg: Config, sets: list[EvalSet], 
     return engine.on_owner(lambda e: _evaluate(e, tokenizer, cfg, sets, texts, dp_rank, dp_size, group, rank))
 
 
-class _Counted:
-    """The engine, each finished sequence advancing the evaluation's one progress bar (sessions pass through)."""
-
-    def __init__(self, engine, bar) -> None:
-        self.engine, self.bar = engine, bar
-        self.supports_sessions = supports_sessions(engine)
-
-    def generate(self, requests, progress=None):
-        return self.engine.generate(requests, progress=self.bar.update)
-
-    def end_sessions(self, session_ids=None):
-        return self.engine.end_sessions(session_ids)
-
-
 def _evaluate(engine, tokenizer, cfg: Config, sets: list[EvalSet], texts: list[list[str]], dp_rank: int, dp_size: int,
               group, rank: int) -> EvalResult:
     engine.wake()
@@ -110,7 +95,7 @@ def _evaluate(engine, tokenizer, cfg: Config, sets: list[EvalSet], texts: list[l
     with progress(sum(len(m) for m in shares) * cfg.eval.n, "eval", rank, cfg.logger.progress, lines_every_s=30.0) as bar:
         for s, set_texts, mine in zip(sets, texts, shares):
             bar.set_description(f"eval {s.name}")
-            _evaluate_set(_Counted(engine, bar), tokenizer, cfg, s, set_texts, mine, group, rank, kv_bytes, result)
+            _evaluate_set(ProgressEngine(engine, bar), tokenizer, cfg, s, set_texts, mine, group, rank, kv_bytes, result)
     return result
 
 

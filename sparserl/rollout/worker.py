@@ -273,7 +273,7 @@ def rollout(
                                      seed_indices, step_timeout_s, max_concurrency))
 
 
-class _Progress:
+class ProgressEngine:
     """The engine, with each finished sequence advancing a progress bar (multi-turn sessions pass through)."""
 
     def __init__(self, engine, bar) -> None:
@@ -318,7 +318,7 @@ class Rollouts:
             return [], {}
         params = self.params if n is None else self.params.replace(n=n)
         with progress(len(rows) * params.n, label, self.rank, self.show_progress, self.lines_every_s) as bar:
-            return rollout(_Progress(self.engine, bar), self.tokenizer, self.env, rows, prompts, params, self.max_turns,
+            return rollout(ProgressEngine(self.engine, bar), self.tokenizer, self.env, rows, prompts, params, self.max_turns,
                            self.max_total_tokens, seed_indices, self.step_timeout_s, self.max_concurrency)
 
 
