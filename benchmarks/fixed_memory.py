@@ -57,7 +57,6 @@ none; SGLang's radix cache is on, as SGLang runs by default).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -66,41 +65,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from benchmarks.common import machine, print_table  # noqa: E402
-
-SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
-
-
-@dataclass(frozen=True)
-class Row:
-    """One configuration of the table: a replicate_gain configuration (dense | tail) and what this table changes."""
-
-    name: str
-    label: str
-    config: str  # replicate_gain's: "dense" (+preset=dense, correction measured) or "tail" (R-KV under the controller)
-    admission: str = "optimistic"
-    engine: str = "native"
-    kv_dtype: str | None = None
-
-
-ROWS = (
-    Row("dense_reserve", "dense, reservation", "dense", admission="reserve"),
-    Row("dense_optimistic", "dense, optimistic", "dense"),
-    Row("sglang_dense", "SGLang dense", "dense", engine="sglang"),
-    Row("rkv_tail", "R-KV tail", "tail"),
-    Row("int8", "int8 KV", "dense", kv_dtype="int8"),
-    Row("rkv_int8", "R-KV tail + int8 KV", "tail", kv_dtype="int8"),
+from benchmarks.fixed_memory_rollout import Prompts, random_model, rollout_half, task_prompts, tiny_model  # noqa: E402
+from benchmarks.fixed_memory_rows import (  # noqa: E402, F401 (kv_dtype_missing, bitwise_line: the tests read them here)
+    BY_NAME, HEADERS, REFERENCE, ROWS, SGLANG_PYTHON, Row, bitwise_line, cells, goals, kv_dtype_missing, load_row_config,
+    memory_for, row_overrides, task_args, unavailable,
 )
-BY_NAME = {r.name: r for r in ROWS}
-REFERENCE = "dense_optimistic"  # the "vs" columns' denominator
-HEADERS = ["config", "tok/s", "vs dense opt", "running mean / peak", "retractions (recomputed tok)", "peak KV MB",
-           "reward", "mean len", "step s (rollout s)", "step vs dense opt", "xi p05", "rejected"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -141,211 +116,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# ----------------------------------------------------------------------------- the task and its commands
-
-
-def task_args(args, out: Path):
-    """replicate_gain's parsed arguments for its cycle_walk task at this table's sizes: the warm-start command,
-    the data files and the GRPO command lines come from there."""
-    from benchmarks import replicate_gain
-
-    argv = ["--task", "cycle_walk", "--out", str(out), "--n", str(args.n), "--max-new-tokens", str(args.max_new_tokens),
-            "--steps", str(args.train_steps), "--prompts-per-step", str(args.train_prompts)]
-    if args.quick:
-        argv.append("--quick")
-    t = replicate_gain.parse_args(argv)
-    if args.quick:  # replicate_gain's quick sizes, with this table's batch and length
-        t.n, t.max_new_tokens, t.steps, t.prompts_per_step = args.n, args.max_new_tokens, args.train_steps, args.train_prompts
-    t.seed = args.seed
-    t.budget = budget(t)  # the KV keys every command carries (the dense preset ignores them)
-    return t
-
-
-def budget(t) -> int:
-    """The tail controller's floor: the cycle_walk setting's budget (80; --quick: 40)."""
-    return next(iter(t.settings.values()))
-
-
-def row_overrides(row: Row, t, model: str, data: Path, run_dir: Path, memory: str) -> list[str]:
-    """The GRPO run's overrides of `row` (the rollout half loads the same config)."""
-    from benchmarks.replicate_gain import config_overrides, precision
-    from benchmarks.replicate_sparse_rl import grpo_command
-
-    preset, extra = config_overrides(row.config, budget(t))
-    mine = [f"rollout.kv_memory={memory}", f"rollout.admission={row.admission}", "trainer.overwrite=true",
-            "logger.progress=false"]
-    if row.engine != "native":
-        mine.append(f"rollout.engine={row.engine}")
-    if row.kv_dtype is not None:
-        mine.append(f"rollout.kv_dtype={row.kv_dtype}")
-    cmd = grpo_command(t, preset, Path(model), data, run_dir, extra=(*extra, *precision(t), *mine))
-    return cmd[cmd.index("sparserl.trainer.grpo") + 1:]
-
-
-def kv_dtype_missing() -> str | None:
-    """Why the int8 rows cannot run yet (None once `rollout.kv_dtype` is a config key)."""
-    from sparserl.config.schema import RolloutConfig
-
-    if "kv_dtype" in {f.name for f in dataclasses.fields(RolloutConfig)}:
-        return None
-    return "not available: rollout.kv_dtype is not a config key yet"
-
-
-def unavailable(row: Row, args) -> str | None:
-    if row.kv_dtype is not None:
-        missing = kv_dtype_missing()
-        if missing:
-            return missing
-    if row.engine == "sglang":
-        if args.gpu:
-            return "not run by --gpu (its own engine; docs/sglang.md)"
-        if args.quick:
-            return "not run under --quick (an SGLang start takes 30-60 s on two cores)"
-        if not SGLANG_PYTHON.exists():
-            return "not available: no .venv-sglang (bash scripts/install_sglang_cpu.sh)"
-    return None
-
-
-def memory_for(cfg, model: str, longest_prompt: int, dense_seqs: int) -> str:
-    """`rollout.kv_memory` holding `dense_seqs` dense sequences of the longest prompt + max_new_tokens, in KB."""
-    from sparserl.engine_options.sizing import SequenceSize, model_entry_bytes
-
-    entries = SequenceSize(longest_prompt, cfg.rollout.max_new_tokens).dense_entries()
-    return f"{math.ceil(dense_seqs * entries * model_entry_bytes(cfg, model) / 2**10)}KB"
-
-
-# ----------------------------------------------------------------------------- the rollout half
-
-
-@dataclass
-class Prompts:
-    ids: list[list[int]]
-    answers: list[str | None]
-
-
-def task_prompts(cfg, tokenizer, data: Path, num: int) -> tuple[Prompts, int]:
-    """The first `num` rows of the data file as the trainer formats them, and the longest prompt of the whole file
-    (what the trainer sizes its pool by)."""
-    from sparserl.data.dataset import PromptRow, format_prompt
-    from sparserl.rollout.episode import encode_text
-
-    rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
-    ids = [encode_text(tokenizer, format_prompt(PromptRow(r["prompt"], r.get("answer"), index=i), tokenizer,
-                                                cfg.data.apply_chat_template, cfg.data.system_prompt))
-           for i, r in enumerate(rows)]
-    return Prompts(ids[:num], [r.get("answer") for r in rows[:num]]), max(map(len, ids))
-
-
-def build_engine(cfg, model_path: str, tokenizer, device, longest: int, model=None):
-    """The engine a run of `cfg` builds, at the pool `rollout.kv_memory` gives (the trainer's own code); `model`: the
-    native engine's weights when already in memory (--gpu), else read from `model_path`."""
-    import torch
-
-    from sparserl.actor.hf import load_model
-    from sparserl.engine_options.build import build_rollout_engine, native_options, pool_slots
-    from sparserl.engine_options.sizing import SequenceSize
-    from sparserl.engines.native.engine import NativeEngine
-
-    device = torch.device(device)
-    size = SequenceSize(longest, cfg.rollout.max_new_tokens)
-    slots = pool_slots(cfg, longest, 1, model_path, device)
-    if cfg.rollout.engine != "native":
-        return build_rollout_engine(cfg, model_path, tokenizer, device, slots, cfg.trainer.seed, size)
-    model = model if model is not None else load_model(model_path, cfg.rollout.dtype, device)
-    return NativeEngine(model, tokenizer, options=native_options(cfg, slots), seed=cfg.trainer.seed)
-
-
-def generate(engine, cfg, prompts: list[list[int]]):
-    """(generations, the engine's stats, wall seconds) of one rollout of `prompts`, `rollout.n` samples each."""
-    from sparserl.engine_options.build import sampling_params
-    from sparserl.engines.types import GenerationRequest
-
-    params = sampling_params(cfg)
-    engine.reset_stats()
-    t0 = time.perf_counter()
-    gens = engine.generate([GenerationRequest(p, params, i) for i, p in enumerate(prompts)])
-    wall = time.perf_counter() - t0
-    return gens, engine.stats(), wall
-
-
-def warm_up(engine, cfg, prompt: list[int]) -> None:
-    """One short generate (kernels, packed weights, captured graphs for small batches), not timed."""
-    from sparserl.engines.types import GenerationRequest, SamplingParams
-
-    engine.generate([GenerationRequest(prompt, SamplingParams(temperature=1.0, max_new_tokens=4, n=2), 0)])
-
-
-def xi_p05(model, gens, device) -> float:
-    """5th percentile of xi = p_dense / p_sampler over every sampled token: the tokens scored by the same weights with
-    a dense cache, in micro-batches of ~4k tokens."""
-    import torch
-
-    from sparserl.actor.logprobs import PackedSeqs, packed_logprobs
-
-    log_xi, chunk = [], []
-
-    def flush():
-        seqs = PackedSeqs([g.prompt_token_ids + g.token_ids for g in chunk], [len(g.prompt_token_ids) for g in chunk])
-        with torch.inference_mode():
-            dense, _ = packed_logprobs(model, seqs, torch.device(device))
-        dense = dense.float().cpu()
-        for i, g in enumerate(chunk):
-            log_xi.append(dense[i, : len(g.token_ids)] - torch.tensor(g.logp_sparse))
-        chunk.clear()
-
-    for g in gens:
-        chunk.append(g)
-        if sum(len(c.prompt_token_ids) + len(c.token_ids) for c in chunk) >= 4096:
-            flush()
-    if chunk:
-        flush()
-    return float(torch.quantile(torch.cat(log_xi).double(), 0.05).exp())
-
-
-def budget_of(cfg) -> dict:
-    """The row's compression budget as it rolls out, and the controller's range under `budget=auto`."""
-    kv = cfg.rollout.kv
-    if kv.algorithm == "none":
-        return {}
-    return {"budget": kv.with_budget().budget,
-            **({"range": f"{kv.control.floor}-{kv.control.ceiling}"} if kv.auto_budget else {})}
-
-
-def rewards(gens, answers: list[str | None], env) -> float | None:
-    if env is None or any(a is None for a in answers) or any(g.text is None for g in gens):
-        return None
-    return sum(env.score(g.text, answers[int(g.request_id)]) for g in gens) / len(gens)
-
-
-def rollout_half(row: Row, cfg, model_path: str, tokenizer, prompts: Prompts, longest: int, device, env=None,
-                 model=None, with_xi: bool = False) -> dict:
-    """Everything the table's rollout columns need from one rollout of `prompts` under `row`'s config."""
-    engine = build_engine(cfg, model_path, tokenizer, device, longest, model)
-    keep_weights = cfg.rollout.engine == "native" and (with_xi or model is not None)
-    try:
-        warm_up(engine, cfg, prompts.ids[0])
-        gens, st, wall = generate(engine, cfg, prompts.ids)
-    finally:
-        if keep_weights:  # the pool goes; the weights stay (the dense scoring, the next row's engine)
-            engine.release_weights = False
-            engine.sleep()
-        else:
-            engine.close()
-    res = {"tok_s": st.new_tokens / wall, "wall_s": wall, "new_tokens": st.new_tokens,
-           "mean_running": st.mean_running, "peak_running": st.peak_running, "retractions": st.retractions,
-           "recomputed": st.recomputed_tokens, "peak_kv_bytes": st.peak_kv_bytes, "pool_slots": st.pool_slots,
-           "bytes_per_slot": st.kv_bytes_per_slot, **budget_of(cfg),
-           "mean_len": sum(len(g.token_ids) for g in gens) / len(gens), "reward": rewards(gens, prompts.answers, env),
-           "kept": sum(g.kv.retained_tokens for g in gens) / max(1, sum(g.kv.total_tokens for g in gens)),
-           "graph_capture_s": st.extra.get("rollout/graph_capture_s"),
-           "tokens": [g.token_ids for g in gens], "logps": [g.logp_sparse for g in gens]}
-    if with_xi and cfg.rollout.engine == "native":
-        res["xi_p05"] = xi_p05(engine.runner.model, gens, device)
-    if keep_weights and model is None:
-        engine.close()  # this row's own weights (and their packed copies) go with it
-    return res
-
-
 # ----------------------------------------------------------------------------- the training half
 
 
@@ -377,120 +147,6 @@ def train_half(row: Row, overrides: list[str], run_dir: Path, log: Path, steps: 
             "cmd": shlex.join(["python", *cmd[1:]])}
 
 
-# ----------------------------------------------------------------------------- the table
-
-
-def cells(row: Row, res: dict, ref: dict | None) -> list:
-    def num(key, fmt="{:.3f}"):
-        v = res.get(key)
-        return fmt.format(v) if isinstance(v, (int, float)) else "-"
-
-    if "error" in res:
-        return [row.label, res["error"]] + ["-"] * (len(HEADERS) - 2)
-    native = row.engine == "native"
-    tok = res["tok_s"]
-    ratio = f"{tok / ref['tok_s']:.2f}x" if ref and ref.get("tok_s") else "-"
-    running = f"{res['mean_running']:.1f} / {res['peak_running']}" if native else "- / -"
-    retract = f"{res['retractions']} ({res['recomputed']})" if native else "-"
-    peak = f"{res['peak_kv_bytes'] / 2**20:.{1 if res['peak_kv_bytes'] >= 2**20 else 3}f}" if res.get("peak_kv_bytes") else "-"
-    step = (f"{res['step_s']:.1f} ({res['rollout_s']:.1f})" if res.get("step_s") is not None
-            and res.get("rollout_s") is not None else "-")
-    step_vs = (f"{ref['step_s'] / res['step_s']:.2f}x" if ref and ref.get("step_s") and res.get("step_s") else "-")
-    label = row.label + (f" ({res['range']}, rollout at {res['budget']})" if res.get("range") else
-                         f" (b={res['budget']})" if res.get("budget") else "")
-    return [label, f"{tok:.1f}", ratio, running, retract, peak, num("reward"), num("mean_len", "{:.0f}"), step, step_vs,
-            num("xi_p05", "{:.4f}"), num("rejected", "{:.1%}")]
-
-
-def bitwise_line(name: str, full: dict, small: dict, n_prompts: int, n: int, pools: tuple[int, int]) -> str:
-    a, b = full["tokens"][: n_prompts * n], small["tokens"]
-    same = sum(x == y for x, y in zip(a, b))
-    diffs = [max((abs(p - q) for p, q in zip(x, y)), default=0.0)
-             for x, y, ta, tb in zip(full["logps"], small["logps"], a, b) if ta == tb]
-    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    where = "" if first is None else (f"; first differing: prompt {first // n} sample {first % n}, at token "
-                                      f"{next((k for k, (p, q) in enumerate(zip(a[first], b[first])) if p != q), min(len(a[first]), len(b[first])))}")
-    return (f"keyed draw across pool sizes, {name}: {same}/{len(b)} sequences with the same token ids "
-            f"({n_prompts} prompts x {n}, pool of {pools[0]} vs {pools[1]} entries, {full['peak_running']} vs "
-            f"{small['peak_running']} running at most); largest log-prob difference among them "
-            f"{max(diffs, default=0.0):.2e}{where}")
-
-
-def goals(results: dict[str, dict]) -> list[str]:
-    """Which of the table's goals the measured rows meet (a goal whose rows are missing says so)."""
-    def get(name, key):
-        r = results.get(name) or {}
-        return r.get(key) if "error" not in r else None
-
-    def ratio(a, b):
-        return a / b if a is not None and b else None
-
-    lines = []
-    tput = ratio(get("rkv_tail", "tok_s"), get(REFERENCE, "tok_s"))
-    step = ratio(get(REFERENCE, "step_s"), get("rkv_tail", "step_s"))
-    seqs = ratio(get("rkv_int8", "mean_running"), get("rkv_tail", "mean_running"))
-    opt = ratio(get(REFERENCE, "tok_s"), get("dense_reserve", "tok_s"))
-    sgl = ratio(get(REFERENCE, "tok_s"), get("sglang_dense", "tok_s"))
-
-    def say(text, value, target, fmt="{:.2f}x"):
-        verdict = "not measured" if value is None else ("met" if value >= target else "not met")
-        lines.append(f"- {text}: {'-' if value is None else fmt.format(value)} ({verdict}; goal >= {fmt.format(target)})")
-
-    say("R-KV tail vs dense optimistic, rollout throughput", tput, 2.5)
-    say("R-KV tail vs dense optimistic, step time (dense / R-KV)", step, 1.3)
-    say("R-KV + int8 vs R-KV alone, sequences running (mean)", seqs, 1.6)
-    say("dense optimistic vs dense reservation, rollout throughput", opt, 1.0)
-    say("dense optimistic vs SGLang dense, rollout throughput", sgl, 0.9)
-    rej = get("rkv_int8", "rejected")
-    if rej is not None:
-        lines.append(f"- R-KV + int8: the correction rejects {rej:.1%} of its sampled sequences "
-                     f"(R-KV alone: {get('rkv_tail', 'rejected') or 0:.1%})")
-    return lines
-
-
-# ----------------------------------------------------------------------------- models
-
-
-def tiny_model(folder: Path) -> str:
-    """A tiny random Llama with SmolLM2's tokenizer (the offline alias), saved once into `folder`."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from sparserl.actor.hf import load_tokenizer
-
-    if (folder / "config.json").exists():
-        return str(folder)
-    tok = load_tokenizer("smollm2-135m-instruct")
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                      pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
-
-
-QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
-                  rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=151645, bos_token_id=151643)
-TINY_QWEN = dict(QWEN25_15B, vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, eos_token_id=1, bos_token_id=0)
-
-
-def random_model(shape: str, folder: Path, device, dtype):
-    """(folder holding only its config.json, the model with random weights on `device`) at `shape`."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    cfg = Qwen2Config(**(QWEN25_15B if shape == "qwen2.5-1.5b" else TINY_QWEN))
-    cfg.save_pretrained(folder)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return str(folder), model.eval()
-
-
 def ensure_warm_start(t, out: Path) -> str:
     """The cycle_walk warm-start (replicate_gain's command), built into OUT/sft/hf when missing."""
     from benchmarks.replicate_sparse_rl import run, sft_command
@@ -503,12 +159,6 @@ def ensure_warm_start(t, out: Path) -> str:
 
 
 # ----------------------------------------------------------------------------- main
-
-
-def load_row_config(overrides: list[str]):
-    from sparserl.config.load import load_config
-
-    return load_config(overrides, "grpo")
 
 
 def one_row(args) -> None:
