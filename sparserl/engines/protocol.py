@@ -94,3 +94,9 @@ class RolloutEngine(Protocol):
 def supports_sessions(engine: Any) -> bool:
     """Whether `engine` keeps KV between turns; False for engines that do not declare it."""
     return bool(getattr(engine, "supports_sessions", False))
+
+
+def supports_partial(engine: Any) -> bool:
+    """Whether `engine` stops a call early (`generate(..., cutoff=)`) and resumes a stopped sample
+    (`GenerationRequest.resume`): partial rollouts (sparserl/rollout/partial.py); the native engine does."""
+    return bool(getattr(engine, "supports_partial", False))

@@ -65,6 +65,33 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
+@dataclass(frozen=True)
+class Resume:
+    """A sample generated in part by an earlier `generate` call (a partial rollout carried across steps): the request
+    continues it instead of starting a new one. `token_ids`, `logp_sparse` and `compressed_at` are what the earlier
+    call returned for it (`Generation`); the engine prefills prompt + `token_ids` at their logical positions (a
+    compressed cache compacted again where it was, `compressed_at`) and draws on from there with the sample's own
+    stream, so `sample_index` must be the one it had. Its `Generation` starts with these tokens and log-probs, as
+    given: each token keeps the log-prob of the weights and cache that drew it."""
+
+    sample_index: int
+    token_ids: list[int]
+    logp_sparse: list[float]
+    compressed_at: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Cutoff:
+    """When a `generate` call may stop before every sample has ended (partial rollouts): once `finish_frac` of its
+    sequences have ended, and, per sequence, after `max_tokens` new tokens in this call (0: no bound). The
+    sequences it stops come back with finish_reason "abort" and what they drew so far; those of the requests in
+    `exempt` (indices into the call's list) run to their own end."""
+
+    finish_frac: float = 1.0
+    max_tokens: int = 0
+    exempt: frozenset[int] = frozenset()
+
+
 @dataclass
 class GenerationRequest:
     """One prompt to complete `params.n` times. `request_id` is echoed back in every `Generation`.
@@ -90,10 +117,14 @@ class GenerationRequest:
     seed_index: int | None = None
     session_id: Hashable | None = None
     keep_session: bool = False
+    resume: Resume | None = None  # continue a sample an earlier call stopped (`Cutoff`); needs n=1, no session
 
     def __post_init__(self) -> None:
         if self.keep_session and self.session_id is None:
             raise ValueError(f"request {self.request_id!r}: keep_session=True needs a session_id to keep the KV under")
+        if self.resume is not None and (self.params.n != 1 or self.session_id is not None):
+            raise ValueError(f"request {self.request_id!r}: a resumed sample is one sequence without a session "
+                             f"(n=1, session_id=None; got n={self.params.n}, session_id={self.session_id!r})")
 
 
 @dataclass

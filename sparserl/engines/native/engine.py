@@ -43,6 +43,7 @@ from sparserl.engines.native.decode_cache import resolve_decode_cache
 from sparserl.engines.native.graph_step import resolve_cuda_graphs
 from sparserl.engines.native.prepack import resolve_prepack
 from sparserl.engines.native.options import NativeOptions
+from sparserl.engines.native.partial import CutoffWatch, check_resume, resume_sequence
 from sparserl.engines.native.runner import ModelRunner
 from sparserl.engines.native.sampler import Sampler
 from sparserl.engines.native.scheduler import ScheduledBatch, Scheduler
@@ -50,7 +51,7 @@ from sparserl.engines.native.sequence import Sequence, Status
 from sparserl.engines.native.sessions import SessionTable, check_extends, choose_victims, session_keys
 from sparserl.engines.native.slot_pool import SlotPool
 from sparserl.engines.native.outputs import default_eos, finish_reason, to_generation
-from sparserl.engines.types import Generation, GenerationRequest
+from sparserl.engines.types import Cutoff, Generation, GenerationRequest
 from sparserl.utils.logging import log0
 
 
@@ -69,6 +70,7 @@ class StepTrace:
 
 class NativeEngine:
     supports_sessions = True
+    supports_partial = True  # generate(..., cutoff=) and GenerationRequest.resume (partial.py)
     receives_weights = True  # the engine lives in this process (engines/weight_sync.py)
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, options: NativeOptions | None = None, seed: int = 0,
@@ -209,7 +211,8 @@ class NativeEngine:
 
     # ----------------------------------------------------------------- generate
     @torch.inference_mode()
-    def generate(self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None) -> list[Generation]:
+    def generate(self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None,
+                 cutoff: Cutoff | None = None) -> list[Generation]:
         if not self._awake:
             raise RuntimeError("the native engine is asleep; call wake() before generate()")
         seqs = self._make_sequences(requests)
@@ -222,6 +225,7 @@ class NativeEngine:
         sampler = Sampler(self.seed)
         for seq in seqs:
             scheduler.add(seq)
+        watch = CutoffWatch(cutoff, seqs) if cutoff is not None else None  # partial rollouts (partial.py)
         t0 = time.perf_counter()
         try:
             while scheduler.has_work():
@@ -232,6 +236,8 @@ class NativeEngine:
                         f"{scheduler.held} slots held by sessions that cannot be re-prefilled in it; raise "
                         "rollout.kv_memory (or rollout.kv_pool_tokens) or end sessions earlier")
                 self._step(batch, scheduler, sampler, progress)
+                if watch is not None:  # the sequences it stops go back to the caller as drawn so far
+                    watch.stop_due(scheduler, lambda seq: self._retire(seq, "abort", scheduler, sampler))
         except BaseException:
             self._abandon(seqs)
             raise
@@ -252,6 +258,8 @@ class NativeEngine:
                 raise ValueError(f"request {req.request_id!r}: empty prompt; give at least one token")
             if params.stop_strings and self.tokenizer is None:
                 raise ValueError(f"request {req.request_id!r}: stop_strings need an engine built with a tokenizer")
+            if req.resume is not None:
+                check_resume(req)
             keys = session_keys(req.session_id, params.n)
             for key in keys:
                 if key in keys_seen:
@@ -291,6 +299,8 @@ class NativeEngine:
                     seq.num_cached = seq.reused = len(session.tokens)
                     # A re-prefill would compress the earlier turns afresh, not as the held cache was compressed.
                     seq.retractable = self.compression is None
+                if req.resume is not None:
+                    resume_sequence(seq, req.resume, self.compression is not None)
                 seqs.append(seq)
         return seqs
 
@@ -415,7 +425,7 @@ class NativeEngine:
         assert scheduler.held == self.sessions.held_slots and scheduler.reserved == 0, "slot accounting drifted"
         st = self._stats
         st.generate_s += elapsed
-        st.new_tokens += sum(len(s.output) for s in seqs)
+        st.new_tokens += sum(len(s.output) - s.resumed for s in seqs)
         st.prompt_tokens += sum(len(s.prompt) for s in seqs)
         st.sessions_continued += sum(s.reused > 0 for s in seqs)
         st.session_reused_tokens += sum(s.reused for s in seqs)

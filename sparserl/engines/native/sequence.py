@@ -54,6 +54,7 @@ class Sequence:
     retractable: bool = True
     retractions: int = 0
     recomputed: int = 0  # tokens whose K/V a retraction threw away and a re-prefill computed again
+    resumed: int = 0  # leading output tokens a resumed request brought (partial.py), drawn by an earlier call
     # Per-request generator state lives in the sampler, keyed by seq_id.
 
     @property

@@ -1,0 +1,77 @@
+"""Partial rollouts in the native engine: a `generate` call that stops early (`Cutoff`), and a request that resumes a
+sample an earlier call stopped (`Resume`).
+
+Both ride on optimistic admission's retraction (scheduler.py): a stopped sequence gives its slots back as a
+finished one does and returns what it drew with finish_reason "abort"; a resumed one starts as a retracted one
+comes back, with its prompt and the tokens it drew as `output`, nothing cached, and re-prefill stops at the logical
+lengths where it was compacted (`Sequence.replay_ends`), so a compressed cache is compacted again where it was. Its
+draws stay keyed by (its seed, its sample index, the logical position), so with the weights unchanged it draws the
+tokens an uninterrupted call would have; under new weights its re-prefill and recompaction are the new weights'.
+
+Left out on purpose: keeping a stopped sequence's KV between calls (the caller's weights change in between, and a
+held cache would pin the pool), and sessions (a multi-turn trajectory is not carried).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from sparserl.engines.native.scheduler import Scheduler
+from sparserl.engines.native.sequence import Sequence, Status
+from sparserl.engines.types import Cutoff, GenerationRequest, Resume
+
+
+def check_resume(req: GenerationRequest) -> None:
+    """A request's `Resume` is one the engine can continue (checked before any work starts)."""
+    r = req.resume
+    if len(r.token_ids) != len(r.logp_sparse):
+        raise ValueError(f"request {req.request_id!r}: resumed with {len(r.token_ids)} tokens but "
+                         f"{len(r.logp_sparse)} log-probs")
+    if len(r.token_ids) >= req.params.max_new_tokens:
+        raise ValueError(f"request {req.request_id!r}: resumed with {len(r.token_ids)} tokens, nothing left to draw "
+                         f"under max_new_tokens={req.params.max_new_tokens}")
+
+
+def resume_sequence(seq: Sequence, resume: Resume, compressing: bool) -> None:
+    """Make `seq` a sequence coming back with the tokens it drew (`check_resume` passed)."""
+    seq.sample_index = resume.sample_index
+    seq.output, seq.logps = list(resume.token_ids), [float(x) for x in resume.logp_sparse]
+    seq.resumed = len(resume.token_ids)
+    # A dense engine (or `engine.dense()`) rebuilds a dense cache: the earlier compactions are not replayed.
+    seq.compressed_at = [c for c in resume.compressed_at if 0 < c <= seq.resumed] if compressing else []
+    seq.replay_ends = [len(seq.prompt) + c - 1 for c in seq.compressed_at]
+
+
+class CutoffWatch:
+    """Which sequences of one `generate` call the cutoff stops after each step."""
+
+    def __init__(self, cutoff: Cutoff, seqs: list[Sequence]) -> None:
+        if not 0.0 < cutoff.finish_frac <= 1.0:
+            raise ValueError(f"Cutoff.finish_frac must be in (0, 1], got {cutoff.finish_frac}")
+        self.cutoff, self.seqs = cutoff, seqs
+        self.need = math.ceil(cutoff.finish_frac * len(seqs) - 1e-9)  # ended sequences that stop the call
+        self.stopping = False
+
+    def due(self) -> list[Sequence]:
+        c = self.cutoff
+        if not self.stopping:
+            ended = sum(s.finish_reason is not None and s.finish_reason != "abort" for s in self.seqs)
+            self.stopping = ended >= self.need and ended < len(self.seqs)
+        out = []
+        for s in self.seqs:
+            if s.finish_reason is not None or s.request_index in c.exempt:
+                continue
+            if self.stopping or (c.max_tokens and len(s.output) - s.resumed >= c.max_tokens):
+                out.append(s)
+        return out
+
+
+    def stop_due(self, scheduler: Scheduler, retire: Callable[[Sequence], None]) -> None:
+        """Stop the due sequences: a running one is retired (`retire`, as "abort"), a queued one taken off the queue."""
+        for seq in self.due():
+            if seq.status is Status.RUNNING:
+                retire(seq)
+                continue
+            assert seq.status is Status.WAITING and not seq.slots, "only sequences without cache entries wait here"
+            scheduler.waiting.remove(seq)
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
