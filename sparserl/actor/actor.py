@@ -81,7 +81,7 @@ class Actor:
                  max_tokens_per_device: int = 8192, activation_checkpointing: bool = False, trainable: bool = True,
                  sampling: tuple[float, float, int] = (1.0, 1.0, 0), entropy_grad: bool = False,
                  logprob_chunk_mb: float | None = DEFAULT_CHUNK_MB, share_prompts: bool = True, load_on: str | None = None,
-                 lora=None, seed: int = 0, skip_zero_advantage: bool = False) -> None:
+                 lora=None, seed: int = 0, skip_zero_advantage: bool = False, extend=None) -> None:
         self.device = device
         # Sequences whose advantage is exactly 0 (a group whose rewards all tie) add nothing to a loss that is
         # linear in the advantage: their forward runs without autograd (for logp_old and the metrics) and backward
@@ -100,7 +100,9 @@ class Actor:
         from_rank0 = load_on_choice(load_on) == "rank0" and dist.is_initialized() and dist.get_world_size() > 1
         # lora: a sparserl LoRAConfig; adapters are injected before parallelism, A seeded by `seed` on every rank.
         self.lora = lora if trainable and lora_lib.enabled(lora) else None
-        prepare = (lambda m: lora_lib.inject(m, self.lora, seed)) if self.lora is not None else None
+        inject = (lambda m: lora_lib.inject(m, self.lora, seed)) if self.lora is not None else None
+        # extend(model): modules added to the loaded model before parallelism, after the adapters (a reward head).
+        prepare = _in_order(inject, extend)
         if from_rank0:
             model, full_state, buffers = load_model_rank0(model_path, dtype, prepare)
         else:
@@ -395,6 +397,12 @@ class FullState:
                 yield name, None
             else:
                 yield name, full
+
+
+def _in_order(*steps):
+    """One model-preparing function that runs the given ones (None: skipped) in order; None if there are none."""
+    steps = [f for f in steps if f is not None]
+    return (lambda m: [f(m) for f in steps]) if steps else None
 
 
 # Metrics from policy_objective that are a micro-batch's share of a global quantity (summed, not averaged).

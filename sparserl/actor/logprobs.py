@@ -321,14 +321,16 @@ def packed_logprobs(
     return unflatten(logp, seqs.resp_lens), ent
 
 
-def _cp_forward(model, flat, pos, keep, targets, spans, device, cp: CPGroup, hold_context, head_args):
+def _cp_forward(model, flat, pos, keep, targets, spans, device, cp: CPGroup, hold_context, head_args,
+                make_head=LogprobHead):
     """The forward of one packed row split over the cp group: this rank's rows (ids, RoPE positions) by the zigzag
-    plan, ring attention in every layer, the log-probs of the kept rows this rank holds, gathered in `keep` order."""
+    plan, ring attention in every layer, the log-probs of the kept rows this rank holds, gathered in `keep` order.
+    `make_head(targets, *head_args)`: what the kept rows compute (actor/reward.py passes its score head)."""
     plan = zigzag_plan(spans, cp.size)
     kept = kept_rows(plan, keep, cp.rank)
     ids = plan.shard(torch.tensor(flat), cp.rank, fill=0)
     positions = plan.positions(cp.rank, torch.tensor(pos))
-    head = LogprobHead(host_to_device(torch.tensor(targets)[kept.mine], device), *head_args)
+    head = make_head(host_to_device(torch.tensor(targets)[kept.mine], device), *head_args)
     ctx = ForwardContext(head=head, cp=CPAttention(plan, cp.group))
     with contextlib.ExitStack() as local:
         (hold_context or local).enter_context(forward_context(ctx))

@@ -408,6 +408,28 @@ class LoggerConfig:
 
 
 @dataclass
+class RMConfig:
+    """`python -m sparserl.trainer.rm` (docs/rm.md): pairs from data.train_path (`prompt`, `chosen`, `rejected`)."""
+
+    eval_path: str = opt("", "held-out pairs for the pairwise accuracy; empty: the shipped "
+                             "data/preference/math_pairs_test.jsonl when data.train_path is empty too (the shipped "
+                             "training pairs), else none")
+    eval_every: int = opt(0, "evaluate on the held-out pairs every this many steps (and before the first and after "
+                             "the last); 0 = before and after only", rule=NON_NEG)
+    eval_limit: int = opt(0, "the first this many held-out pairs; 0 = all", rule=NON_NEG)
+    max_length: int = opt(1024, "pairs with a sequence (prompt + response) longer than this many tokens are skipped",
+                          rule=COUNT)
+
+
+@dataclass
+class DPOConfig(RMConfig):
+    """`python -m sparserl.trainer.dpo` (docs/dpo.md); the eval/length keys as rm.*."""
+
+    loss: str = opt("sigmoid", "sigmoid (DPO) | ipo", choices=("sigmoid", "ipo"))
+    beta: float = opt(0.1, "the KL strength: DPO's logit scale, IPO's target margin 1 / (2 beta)", rule=above(0))
+
+
+@dataclass
 class Config:
     model: ModelConfig = opt(ModelConfig)
     data: DataConfig = opt(DataConfig)
@@ -420,6 +442,8 @@ class Config:
     eval: EvalConfig = opt(EvalConfig, "`python -m sparserl.eval` and evaluation during training "
                                        "(trainer.eval_every); see sparserl/eval/.")
     logger: LoggerConfig = opt(LoggerConfig)
+    rm: RMConfig = opt(RMConfig, "`python -m sparserl.trainer.rm`: the reward model's pairs (docs/rm.md).")
+    dpo: DPOConfig = opt(DPOConfig, "`python -m sparserl.trainer.dpo`: the loss and its pairs (docs/dpo.md).")
 
 
 def base_configs() -> list[str]:
@@ -434,6 +458,8 @@ def to_dict(cfg: Config) -> dict:
 # The first line of an SFT run's config.yaml. The file has the GRPO trainer's keys (one schema), but such a run sampled
 # nothing: `python -m sparserl.eval` takes no sampling setting from it (sparserl/eval/run_settings.py).
 SFT_CONFIG_HEADER = "# sparserl.trainer.sft: trained on fixed targets; the rollout.* keys below were not used\n"
+RM_CONFIG_HEADER = "# sparserl.trainer.rm: a reward model trained on preference pairs; the rollout.* keys below were not used\n"
+DPO_CONFIG_HEADER = "# sparserl.trainer.dpo: trained on preference pairs; the rollout.* keys below were not used\n"
 
 
 def to_yaml(cfg: Config) -> str:

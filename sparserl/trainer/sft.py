@@ -23,9 +23,7 @@ Left out on purpose: evaluation, checkpoints and resume (a warm-start is short; 
 """
 from __future__ import annotations
 
-import json
 import math
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -37,17 +35,17 @@ from sparserl.actor.actor import Actor, Normalizer, TrainBatch
 from sparserl.actor.export import export_final
 from sparserl.actor.hf import load_tokenizer, resolve_model_path
 from sparserl.cli import parse_cli
-from sparserl.config import SFT_CONFIG_HEADER, Config, to_dict, to_yaml
+from sparserl.config import SFT_CONFIG_HEADER, Config
 from sparserl.data.dataset import PromptRow, format_prompt
 from sparserl.parallel import all_reduce_sum, teardown
 from sparserl.trainer.build import start_processes
 from sparserl.trainer.preflight import check_output
 from sparserl.trainer.run_dir import SFT_ROOT
+from sparserl.trainer.supervised import actor_options, batches, open_run, read_jsonl, share
 from sparserl.utils.envload import load_env
 from sparserl.utils.errors import UserError, run_main
 from sparserl.utils.memory import reuse_heap
-from sparserl.utils.runs import new_run_id, write_run_file
-from sparserl.utils.logging import MetricsLogger, log0, progress
+from sparserl.utils.logging import log0, progress
 from sparserl.utils.seed import set_seed
 
 RESPONSE_KEY = "response"
@@ -63,18 +61,7 @@ class Example:
 def read_examples(cfg: Config) -> tuple[list[dict], str]:
     """Raw {prompt, response} records and a name for their source (for error messages)."""
     if cfg.data.train_path:
-        path = Path(cfg.data.train_path)
-        if not path.is_file():
-            raise UserError(f"data.train_path={path}: no such file")
-        records = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise UserError(f"data.train_path={path} line {n}: not JSON ({e.msg})") from None
-        return records, f"data.train_path={path}"
+        return read_jsonl(cfg.data.train_path, "data.train_path"), f"data.train_path={Path(cfg.data.train_path)}"
     env = load_env(cfg.env.path)
     make = getattr(env.module, "make_sft_examples", None)
     if make is None:
@@ -110,25 +97,6 @@ def tokenize_examples(cfg: Config, records: list[dict], source: str, tokenizer) 
     if not out:
         raise UserError(f"{source}: no usable examples")
     return out
-
-
-def batches(num: int, batch_size: int, seed: int, shuffle: bool):
-    """Endless index batches: each epoch a fresh permutation (seeded), the last partial batch carried over."""
-    rng = random.Random(seed)
-    pending: list[int] = []
-    while True:
-        order = list(range(num))
-        if shuffle:
-            rng.shuffle(order)
-        pending += order
-        while len(pending) >= batch_size:
-            yield pending[:batch_size]
-            pending = pending[batch_size:]
-
-
-def share(batch: list[int], dp_rank: int, dp: int) -> list[int]:
-    """This DP rank's examples of a batch (every rank draws the same batch)."""
-    return batch[dp_rank::dp]
 
 
 def train_batch(examples: list[Example]) -> TrainBatch:
@@ -170,21 +138,11 @@ def train(cfg: Config) -> None:
     tokenizer = load_tokenizer(model_path)
     examples = tokenize_examples(cfg, records, source, tokenizer)
     a = cfg.actor
-    actor = Actor(model_path, mesh, info.device, dtype=cfg.model.dtype, compute_dtype=cfg.model.compute_dtype, lr=a.lr,
-                  betas=a.betas, weight_decay=a.weight_decay, lr_schedule=a.lr_schedule, warmup_steps=a.warmup_steps,
-                  total_steps=cfg.trainer.total_steps, min_lr_ratio=a.min_lr_ratio, max_grad_norm=a.max_grad_norm,
-                  max_tokens_per_device=a.max_tokens_per_device,
-                  activation_checkpointing=cfg.model.activation_checkpointing, logprob_chunk_mb=a.logprob_chunk_mb,
-                  share_prompts=False, lora=a.lora, seed=cfg.trainer.seed)
+    actor = Actor(model_path, mesh, info.device, share_prompts=False, **actor_options(cfg))
     dp_rank = mesh["dp"].get_local_rank()
 
     out = Path(cfg.trainer.output_dir)
-    if info.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(SFT_CONFIG_HEADER + to_yaml(cfg))
-        write_run_file(out, new_run_id())
-    logger = MetricsLogger(out, info.rank, to_dict(cfg), cfg.logger.wandb.mode, cfg.logger.wandb.project,
-                           cfg.logger.wandb.name, console=False, total_steps=cfg.trainer.total_steps)
+    logger = open_run(cfg, info.rank, SFT_CONFIG_HEADER)
     logger.truncate_after(-1)
     log0(f"sft: {len(examples)} examples from {source}, batch {cfg.trainer.prompts_per_step}, "
          f"{cfg.trainer.total_steps} steps, dp={dims.dp} cp={dims.cp} tp={dims.tp}; output: {out.resolve()}")

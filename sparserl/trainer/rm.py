@@ -1,0 +1,112 @@
+"""`torchrun -m sparserl.trainer.rm key=value ...`: a reward model trained on preference pairs (docs/rm.md).
+
+The model is `model.path` with a scalar head on the last token of each sequence (actor/reward.py `RewardModel`);
+the loss is Bradley-Terry, -log sigmoid(r_chosen - r_rejected), averaged over the step's pairs on every DP rank
+(algo/preference.py). A sequence is the formatted prompt followed by the response, nothing appended: the score is
+read at the response's last token, the token Hugging Face's sequence-classification class scores in the export.
+Pairs come from `data.train_path` (default: the shipped data/preference pairs), the held-out pairwise accuracy
+from `rm.eval_path`; the loop, checkpoints and resume are trainer/pairs.py's; the keys are the GRPO trainer's
+(`model.*`, `actor.*` for AdamW, packing and LoRA, `parallel.cp`, `trainer.*`) plus `rm.*`. The result,
+`output_dir/hf`, loads with `AutoModelForSequenceClassification` (adapters merged).
+Metrics: rm/loss, rm/accuracy (pairs whose chosen score is strictly higher), rm/margin (mean r_c - r_r),
+rm/chosen_score, rm/rejected_score; `eval/` the same on the held-out pairs.
+Left out on purpose: tensor parallelism (refused; the head is not in the TP plans), and margin or
+regularization terms (centering the scores).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from sparserl.actor.hf import load_tokenizer, resolve_model_path
+from sparserl.actor.reward import RewardModel, export_reward_model
+from sparserl.algo.preference import bradley_terry
+from sparserl.cli import parse_cli
+from sparserl.config import Config
+from sparserl.config.schema import RM_CONFIG_HEADER
+from sparserl.parallel import teardown
+from sparserl.trainer import pairs as P
+from sparserl.trainer.build import start_processes
+from sparserl.trainer.supervised import actor_options
+from sparserl.utils.errors import UserError, run_main
+from sparserl.utils.seed import set_seed
+
+RM_ROOT = "outputs/rm"
+
+
+class BTLoss:
+    """The actor's loss function over a micro-batch of whole pairs: summed Bradley-Terry loss over the global pair
+    count; keeps this rank's metric sums on the device (read once per step)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def __call__(self, scores: torch.Tensor, entropy, batch, idx: torch.Tensor, norm):
+        s = scores[:, 0]  # (b,) rows (chosen, rejected) of each pair, in order
+        loss, metrics = bradley_terry(s[0::2], s[1::2])
+        for k, v in metrics.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v.to(torch.float64)
+        return loss / (norm.seqs / 2), {}
+
+
+class RewardObjective:
+    def __init__(self, cfg: Config, model_path: str, mesh, device) -> None:
+        self.actor = RewardModel(model_path, mesh, device, **actor_options(cfg))
+
+    def train_step(self, pairs: list[P.Pair], ids: list[int]) -> dict[str, float]:
+        a = self.actor
+        lr = a.scheduler.get_last_lr()[0]
+        loss = BTLoss()
+        batch = P.pair_batch(pairs)
+        a.accumulate_gradients(batch, loss, list(range(len(batch))), with_entropy=False)
+        grad_norm, _ = a._step()
+        metrics = P.reduce_sums(loss.sums, len(pairs), a.dp_group, a.device)
+        return {**metrics, "actor/grad_norm": grad_norm, "actor/lr": lr}
+
+    def evaluate(self, pairs: list[P.Pair], ids: list[int]) -> dict[str, float]:
+        scores = self.actor.scores(P.pair_batch(pairs))  # None: no held-out pairs on this rank
+        _, sums = bradley_terry(scores[0::2].double(), scores[1::2].double()) if scores is not None else (None, {})
+        sums = {k: sums.get(k, 0.0) for k in ("rm/loss", "rm/accuracy", "rm/margin", "rm/chosen_score",
+                                              "rm/rejected_score")}
+        means = P.reduce_sums(sums, len(pairs), self.actor.dp_group, self.actor.device)
+        return {"eval/" + k.split("/", 1)[1]: v for k, v in means.items()}
+
+    def export(self, cfg: Config, tokenizer, rank: int) -> None:
+        export_reward_model(cfg, self.actor, tokenizer, rank)
+
+
+def train(cfg: Config) -> None:
+    P.preflight(cfg, RM_ROOT)
+    if cfg.parallel.tp > 1:
+        raise UserError(f"parallel.tp={cfg.parallel.tp}: the reward model's score head is not tensor-parallel; use "
+                        "parallel.tp=1 (data and context parallelism work)")
+    train_path, eval_path = P.pair_paths(cfg, cfg.rm)
+    records = P.read_pairs(train_path, "data.train_path", cfg.data.prompt_key)  # user errors surface here, before anything is written
+    held_records = P.read_pairs(eval_path, "rm.eval_path", cfg.data.prompt_key) if eval_path else []
+    model_path = resolve_model_path(cfg.model.path)
+    set_seed(cfg.trainer.seed)
+    info, dims, mesh = start_processes(cfg, RM_ROOT)
+    tokenizer = load_tokenizer(model_path)
+    train_pairs = P.tokenize_pairs(cfg, records, f"data.train_path={train_path}", tokenizer, cfg.rm.max_length, eos=False)
+    held_out = P.tokenize_pairs(cfg, held_records, f"rm.eval_path={eval_path}", tokenizer, cfg.rm.max_length,
+                                eos=False) if held_records else []
+    if cfg.rm.eval_limit:
+        held_out = held_out[: cfg.rm.eval_limit]
+    objective = RewardObjective(cfg, model_path, mesh, info.device)
+    P.run(cfg, "rm", cfg.rm, objective, train_pairs, held_out, tokenizer, info, dims, mesh, RM_CONFIG_HEADER,
+          ("rm/loss", "rm/accuracy", "rm/margin"))
+    teardown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    def run() -> None:
+        cfg = parse_cli(sys.argv[1:] if argv is None else argv, "grpo")
+        if cfg is not None:  # None: --help or --cfg job was answered
+            train(cfg)
+
+    run_main(run)
+
+
+if __name__ == "__main__":
+    main()
