@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from sparserl.config.partial import cross_check as partial_cross_check
 from sparserl.config.fields import ConfigError, show
 
 
@@ -18,7 +19,9 @@ def _dual_clip_is_ppo(cfg) -> None:
 
 # The advantage estimators that give one advantage per token (sparserl/algo/advantages.py `Estimator.per_token`;
 # tests/unit/test_advantages.py keeps the two equal): named here, as this module imports no torch.
-PER_TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")
+PER_TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
+# The estimators that read a critic's values (`Estimator.uses_values`; the same test keeps the two equal).
+VALUE_ESTIMATORS = ("gae",)
 
 
 def _objective_fits(cfg) -> None:
@@ -26,10 +29,24 @@ def _objective_fits(cfg) -> None:
     if a.adv_estimator == "rloo" and cfg.rollout.n < 2:
         raise ConfigError(f"algo.adv_estimator=rloo with rollout.n={cfg.rollout.n}: the leave-one-out baseline needs "
                           "another sample of the prompt; set rollout.n >= 2")
+    if a.policy_loss == "gspo" and a.adv_estimator in VALUE_ESTIMATORS:
+        raise ConfigError(f"algo.policy_loss=gspo takes one advantage per sequence, but algo.adv_estimator="
+                          f"{a.adv_estimator} gives one per token; use algo.policy_loss=gspo_token")
     if a.policy_loss == "gspo" and a.adv_estimator in PER_TOKEN_ESTIMATORS and a.kl.coef > 0 and a.kl.mode == "reward":
         raise ConfigError(f"algo.policy_loss=gspo takes one advantage per sequence, but algo.adv_estimator="
                           f"{a.adv_estimator} with the KL in the reward (algo.kl.mode=reward) gives one per token; use "
                           "algo.policy_loss=gspo_token")
+
+
+def _critic_is_read(cfg) -> None:
+    a, on = cfg.algo, cfg.critic.enable
+    if a.adv_estimator in VALUE_ESTIMATORS and not on:
+        raise ConfigError(f"algo.adv_estimator={a.adv_estimator} reads a critic's values, but critic.enable=false; set "
+                          "critic.enable=true (or +preset=ppo)")
+    if on and a.adv_estimator not in VALUE_ESTIMATORS:
+        raise ConfigError(f"critic.enable=true with algo.adv_estimator={a.adv_estimator}, which reads no values: the "
+                          f"critic would train for nothing; use algo.adv_estimator={VALUE_ESTIMATORS[0]} or "
+                          "critic.enable=false")
 
 
 def _nccl_needs_cuda(cfg) -> None:
@@ -144,7 +161,8 @@ def _openreward(cfg) -> None:
 
 
 # Checks relating keys of different groups: fn(cfg), run by check_config after every group.
-CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (_dual_clip_is_ppo, _objective_fits, _nccl_needs_cuda, _quantization_device,
+CROSS_CHECKS: tuple[Callable[[Any], None], ...] = (_dual_clip_is_ppo, _objective_fits, _critic_is_read, _nccl_needs_cuda, _quantization_device,
                                                    _prepack_applies, _kv_memory_fraction_device,
                                                    _sglang_tp_shares_heads, _overlong_fits,
-                                                   _auto_budget_engine, _lora_dropout_tp, _cp_engine, _rescue_dense, _openreward)
+                                                   _auto_budget_engine, _lora_dropout_tp, _cp_engine, _rescue_dense, _openreward,
+                                                   partial_cross_check)

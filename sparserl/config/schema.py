@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from sparserl.algo.correction_config import CorrectionConfig
+from sparserl.config.critic import CriticConfig
+from sparserl.config.partial import PartialConfig
 from sparserl.config.fields import (COUNT, NON_EMPTY, NON_NEG, PROB, ConfigError, Rule, above, each, opt, or_null,
                                     show, within)
 from sparserl.utils.kv_memory import KV_DTYPES, SYNTAX, is_kv_memory, parse_kv_memory
@@ -208,6 +210,8 @@ class RolloutConfig:
     rescore_seqs: int = opt(0, "measure-only: per engine and step, re-score this many sequences densely "
                                "(rollout/kv_mismatch_kl)", rule=NON_NEG)
     kv: KVPolicyConfig = opt(KVPolicyConfig)
+    partial: PartialConfig = opt(PartialConfig, "Partial rollouts: a step stops generating before its longest "
+                                 "samples end and carries them on (docs/training.md); native engine, single-turn envs")
     sglang: SGLangConfig = opt(SGLangConfig, "Start-up settings of the SGLang engine (rollout.engine=sglang); see "
                                              "docs/sglang.md.")
 
@@ -288,8 +292,11 @@ class OverlongConfig:
 class AlgoConfig:
     adv_estimator: str = opt("grpo", "grpo | drgrpo | rloo (leave-one-out group baseline) | reinforce_pp (REINFORCE++: "
                                      "per-token returns with the KL penalty of algo.kl.mode=reward, whitened over the "
-                                     "batch) | reinforce_pp_baseline (the group mean subtracted first)",
-                             choices=("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"))
+                                     "batch) | reinforce_pp_baseline (the group mean subtracted first) | gae (GAE "
+                                     "with the critic's values, critic.enable=true; +preset=ppo)",
+                             choices=("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"))
+    gamma: float = opt(1.0, "gae: discount per model token", rule=PROB)
+    lam: float = opt(1.0, "gae: the GAE lambda (1: the return minus the value; 0: one-step TD)", rule=PROB)
     loss_agg: str = opt("token", "token | sequence", choices=("token", "sequence"))
     policy_loss: str = opt("ppo", "ppo | cispo | gspo (one clipped ratio per sequence, the geometric mean of its "
                                   "tokens'; +preset=gspo) | gspo_token (GSPO's ratio with per-token advantages)",
@@ -437,6 +444,8 @@ class Config:
     rollout: RolloutConfig = opt(RolloutConfig)
     actor: ActorConfig = opt(ActorConfig)
     algo: AlgoConfig = opt(AlgoConfig)
+    critic: CriticConfig = opt(CriticConfig, "A value model trained beside the actor (algo.adv_estimator=gae); "
+                                             "sparserl/config/critic.py.")
     parallel: ParallelConfig = opt(ParallelConfig)
     trainer: TrainerConfig = opt(TrainerConfig)
     eval: EvalConfig = opt(EvalConfig, "`python -m sparserl.eval` and evaluation during training "

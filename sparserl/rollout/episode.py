@@ -33,6 +33,9 @@ class Sample:
     compressed_at: list[int] = field(default_factory=list)  # response positions of the first token after each compression
     extra_info: dict[str, Any] = field(default_factory=dict)
     tool_stats: dict[str, int] = field(default_factory=dict)  # tool envs: calls, malformed, errors, failed
+    # Partial rollouts (rollout/partial.py): the training step that drew each response token; empty: all drawn in the
+    # step that trains on the sample
+    drawn_at: list[int] = field(default_factory=list)
 
 
 @dataclass

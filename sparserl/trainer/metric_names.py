@@ -32,7 +32,7 @@ GROUPS: dict[str, str] = {
     "response": "Lengths and endings of the sampled responses, over all ranks.",
     "env": "How the episodes went, over all ranks.",
     "adv": ("Advantages (`algo.adv_estimator`) of the sequences on rank 0: one per sequence, or for a per-token "
-            "estimator (reinforce_pp, reinforce_pp_baseline) one per loss token, over those tokens."),
+            "estimator (reinforce_pp, reinforce_pp_baseline, gae) one per loss token, over those tokens."),
     "dynamic": ("Dynamic sampling (`algo.dynamic_sampling.enable=true`): the step's rollout rounds and the groups "
                 "(a prompt's `rollout.n` samples) with a learning signal, over all data-parallel ranks "
                 "(docs/training.md). With it on, the reward/, score/, response/, env/ and kv/ metrics cover every "
@@ -41,6 +41,8 @@ GROUPS: dict[str, str] = {
     "overlong": ("Responses cut by a length limit (`algo.overlong.*`), over the step's trained samples on all "
                  "data-parallel ranks."),
     "actor": "The policy update: means over the step's optimizer steps and all ranks.",
+    "critic": ("The critic's update (`critic.enable=true`, `algo.adv_estimator=gae`): means over the step's optimizer "
+               "steps and all ranks; the value statistics over the loss tokens of all ranks, with the values GAE read."),
     "mismatch": ("How far the sampler's log-probs (logp_sparse) are from the trainer's dense recompute (logp_old) on "
                  "the response tokens of the batch trained on, all ranks; logged whether or not the correction is on "
                  "(docs/correction.md). xi = exp(logp_old - logp_sparse). The batch is what dynamic sampling kept "
@@ -60,6 +62,10 @@ GROUPS: dict[str, str] = {
                "data-parallel ranks. With it on, reward/, score/, response/, env/ and kv/ cover the sparse rollout "
                "(the rejected samples, not their redraws); adv/, actor/, mismatch/ and correction/ the batch trained "
                "on, redraws included."),
+    "partial": ("Partial rollouts (`rollout.partial.enable=true`, docs/training.md): samples carried across steps, "
+                "over all data-parallel ranks. A token's age is the number of steps between the weights that drew it "
+                "and the step that trains on it. With it on, reward/, score/ and response/ cover the groups trained "
+                "this step (those whose samples all ended), and kv/ and perf/rollout_tok_s the step's engine calls."),
     "kv": "The rollout engine's KV cache during the step's rollout.",
     "rollout": "The rollout engine's own numbers, mean over data-parallel ranks.",
     "perf": "Wall-clock time and throughput.",
@@ -79,6 +85,8 @@ PHASES: dict[str, str] = {
               "steps where the correction rejects some)",
     "ref_logprobs": "the reference model's log-probs (`algo.kl.coef > 0`)",
     "update": "rank balancing and the optimizer steps",
+    "critic_values": "the critic's no-grad pass for the values GAE reads (`critic.enable=true`)",
+    "critic_update": "the critic's optimizer steps, after the actor's (`critic.enable=true`)",
     "weight_sync": "pushing the new weights into the rollout engine",
     "log_samples": "writing `trainer.log_samples` sequences to samples/step_N.jsonl",
 }
@@ -95,6 +103,8 @@ SFT = "python -m sparserl.trainer.sft too"
 CORRECTION = "`algo.correction.enable=true`"
 RESCUE = "`algo.correction.rescue=dense`"
 DYNAMIC = "`algo.dynamic_sampling.enable=true`"
+PARTIAL = "`rollout.partial.enable=true`"
+CRITIC = "`critic.enable=true`"
 
 METRICS: tuple[Metric, ...] = (
     Metric("step", "The training step, from 1; the evaluation before training has a row of its own with step 0",
@@ -166,6 +176,19 @@ METRICS: tuple[Metric, ...] = (
     Metric("actor/skipped_steps", "Optimizer steps skipped for a non-finite loss or gradient norm"),
     Metric("actor/lr", "Learning rate after the step's optimizer steps", SFT),
     Metric("actor/target_prob", "Mean probability of the target tokens before the step (a smooth token accuracy)", "SFT only"),
+    # critic/
+    Metric("critic/value_loss", "The value loss: 0.5 x squared error of the values to their targets (the GAE returns), "
+           "the larger of the clipped and unclipped errors (`critic.clip`), aggregated as `algo.loss_agg`", CRITIC),
+    Metric("critic/clip_frac", "Share of loss tokens where the clipped value's error was the larger (no gradient "
+           "there)", CRITIC),
+    Metric("critic/explained_var", "1 - Var(return - value) / Var(return) of the values GAE read (1: exact, 0: no "
+           "better than the mean)", CRITIC),
+    Metric("critic/value_mean", "Mean value of the loss tokens' states, before the update", CRITIC),
+    Metric("critic/return_mean", "Mean target (GAE return) of the loss tokens", CRITIC),
+    Metric("critic/grad_norm", "The critic's gradient norm before clipping to `critic.max_grad_norm`, mean over the "
+           "applied optimizer steps", CRITIC),
+    Metric("critic/skipped_steps", "The critic's optimizer steps skipped for a non-finite loss or gradient norm", CRITIC),
+    Metric("critic/lr", "The critic's learning rate after the step's optimizer steps", CRITIC),
     # mismatch/
     Metric("mismatch/kl", "Mean of logp_sparse - logp_old per token: a k1 estimate of KL(sampler || dense policy)"),
     Metric("mismatch/k3_kl", "Mean of xi - 1 - log xi per token: the k3 estimate of the same KL (non-negative)"),
@@ -237,6 +260,17 @@ METRICS: tuple[Metric, ...] = (
            "`rollout.engine=sglang` with KV compression"),
     Metric("kv/host_syncs", "Host syncs of the KV bookkeeping", "`rollout.engine=sglang`, SGLang option kv_count_syncs"),
     Metric("kv/decode_forwards", "Decode forwards those syncs were counted over", "`rollout.engine=sglang`, SGLang option kv_count_syncs"),
+    # partial/
+    Metric("partial/carried_frac", "Share of the trained samples that were carried across at least one step boundary",
+           PARTIAL),
+    Metric("partial/trained_samples", "Samples trained this step (the groups whose samples all ended)", PARTIAL),
+    Metric("partial/in_flight", "Samples carried into the next step", PARTIAL),
+    Metric("partial/calls", "Engine calls of the step's rollout, summed over ranks (a rank calls again, under the same "
+           "weights, while none of its groups has ended)", PARTIAL),
+    Metric("partial/tokens_age<age>", "Share of the trained model tokens drawn <age> steps before this one (0 to "
+           "`rollout.partial.max_staleness`)", PARTIAL),
+    Metric("partial/mismatch_kl_age<age>", "`mismatch/kl` over the tokens of that age: mean logp_sparse - logp_old, "
+           "each token's sampler log-prob against this step's dense policy", PARTIAL + ", tokens of that age"),
     # rollout/
     Metric("rollout/weight_bytes", "Bytes of the native engine's weights (smaller with `rollout.quantization`)",
            "`rollout.engine=native`"),
@@ -308,6 +342,7 @@ PLACEHOLDERS: dict[str, str] = {
     "<env>": r"[^/]+",  # an OpenReward environment, Org_Name
     "<n>": r"\d+",
     "<k>": r"\d+",
+    "<age>": r"\d+",
     "<phase>": "|".join(PHASES),
 }
 

@@ -31,6 +31,7 @@ from sparserl.rollout.worker import Rollouts
 from sparserl.trainer import resume, run_dir
 from sparserl.trainer.advantages import set_advantages
 from sparserl.trainer.balance import balance_ranks
+from sparserl.trainer.critic import CriticStep
 from sparserl.trainer.build import (build_actor, build_reference, load_tokenizer, open_output, prompt_sampler,
                                     start_processes, task_env)
 from sparserl.trainer.dynamic_sampling import DynamicSampling, Round, StepRollout, round_seed
@@ -38,6 +39,7 @@ from sparserl.trainer.faults import PREEMPTED_EXIT_CODE, Preemption, check_skips
 from sparserl.trainer.loss import loss_config, zero_advantage_no_grad
 from sparserl.trainer.loss_path import LossPath
 from sparserl.trainer.metrics import gather_step_metrics, memory_metrics
+from sparserl.trainer.partial import build_partial, partial_metrics, register as register_partial
 from sparserl.trainer.preflight import Inputs
 from sparserl.trainer.rescue import Redraw, Rescue, rescue_seed
 from sparserl.trainer.samples import SampleLog
@@ -69,6 +71,7 @@ class Trainer:
         self.params = sampling_params(cfg)
         self.actor = build_actor(cfg, inputs.model_path, self.mesh, self.info.device)
         self.ref = build_reference(cfg, self.actor, inputs.model_path, self.mesh, self.info.device) if cfg.algo.kl.coef else None
+        self.critic = CriticStep(cfg, inputs.model_path, self.mesh, self.info.device)  # critic.enable (trainer/critic.py)
         self._build_engine(inputs.model_path, replica)
         self.step = self.start = 0  # the last step done, and the step the run goes on from (a resumed one's)
         self.saved = self._saved_state()
@@ -97,6 +100,9 @@ class Trainer:
         self.rollouts = Rollouts.from_config(cfg, engine, self.tokenizer, self.task.env, self.params, info.rank,
                                              max_turns=cfg.env.max_turns,
                                              max_total_tokens=self.task.max_total_tokens(self.num_slots))
+        # rollout.partial.enable: the rollout call that carries unfinished samples across steps (trainer/partial.py)
+        self.carry = build_partial(cfg, engine, self.tokenizer, self.task.env, self.params, info.rank,
+                                   self.task.max_total_tokens(self.num_slots), self.engine.is_owner)
         control = cfg.rollout.kv.control
         self.budget = BudgetController(control) if cfg.rollout.kv.auto_budget else None  # rollout.kv.budget=auto
         if self.budget is not None:
@@ -116,6 +122,8 @@ class Trainer:
         saved.register("cp", lambda: self.dims.cp, keep, optional=True)
         resume.register(saved, self.cfg, self.actor)  # what a resume checks and keeps (trainer/resume.py)
         saved.register(run_dir.RUN_ID, lambda: self.run_id, self._set_resumed_run, optional=True)
+        register_partial(saved, self.carry, self.mesh["dp"].get_local_rank(), self.dims.dp, self.engine.is_owner)
+        self.critic.register(saved)
         return saved
 
     def _set_resumed_run(self, run_id: str) -> None:
@@ -137,7 +145,8 @@ class Trainer:
         path = checkpoint.resolve_resume(self.cfg.trainer.resume, self.cfg.trainer.output_dir)
         if path is None:
             return
-        self.saved.load_state_dict(checkpoint.load(path, self.actor.model, self.actor.optimizer), path)
+        self.saved.load_state_dict(checkpoint.load(path, self.actor.model, self.actor.optimizer,
+                                                   self.critic.checkpointed()), path)
         now = self.info.world_size
         log0(f"resumed from {path} at step {self.start}" +
              (f" (saved with {self.saved_world} processes, now {now})" if self.saved_world != now else ""))
@@ -192,11 +201,12 @@ class Trainer:
         if self.ref is not None:
             with timers("ref_logprobs"), reuse_heap():
                 batch.logp_ref = self.ref.logprobs(batch)
+        self.critic.score(batch, timers("critic_values"))  # the critic's values, which GAE reads (critic.enable)
 
         # 4: sparse/dense mismatch correction (or, on the fused path, inside the update).
         rejected = self.loss_path.correct(batch)
 
-        # 5: group advantages.
+        # 5: advantages (and the critic's targets).
         adv_metrics = set_advantages(cfg.algo, batch, samples, self.params.n, rejected, self.loss_cfg, actor.dp_group,
                                      cfg.rollout.max_new_tokens)
         if injected_nan(step, self.info.rank):  # SPARSERL_FAULT drill (trainer/faults.py)
@@ -210,6 +220,7 @@ class Trainer:
                                                                     cfg.actor.share_prompts, self.token_weights)
             actor_metrics = actor.update(batch, self.loss_path.loss_fn(), cfg.actor.updates_per_rollout,
                                          cfg.actor.ppo_epochs, minibatches=minibatches)
+        actor_metrics |= self.critic.train(batch, minibatches, timers("critic_update"))  # after the actor, same batch
         correction_metrics = self.loss_path.correction_metrics()
         release_free_memory()
 
@@ -228,6 +239,8 @@ class Trainer:
                        | actor_metrics)
         metrics.update(self.sampled.metrics(dist_reduce_sum(actor.dp_group), self.info.device))
         metrics.update(memory_metrics(self.info.device, actor.dp_group))
+        if self.carry is not None:  # carried share, tokens and mismatch by age (after the update: logp_old is set)
+            metrics.update(partial_metrics(step, samples, batch, self.carry, actor.dp_group, self.info.device))
         # The next step's KV budget before the evaluation: it evaluates the updated weights at the budget a checkpoint
         # of this step saves, which is what `python -m sparserl.eval` of the checkpoint takes (eval/run_settings.py).
         self._steer_budget(metrics)
@@ -245,10 +258,11 @@ class Trainer:
         def run(engine) -> tuple:
             # Each prompt's samples are keyed by (seed, step, round, its place in the round's global batch): the same
             # whatever the number of processes (elastic resume).
-            engine.set_seed(round_seed(self.cfg.trainer.seed, step, round_))
+            engine.set_seed(seed := round_seed(self.cfg.trainer.seed, step, round_))
+            rollouts = self.rollouts if self.carry is None else self.carry.at(step, seed)  # rollout.partial
             label = f"rollout {step}" if round_ == 1 else f"rollout {step}.{round_}"
-            samples, metrics = self.rollouts(*self._prompts(draw.local_indices),
-                                             [draw.local_start + j for j in range(len(draw.local_indices))], label)
+            samples, metrics = rollouts(*self._prompts(draw.local_indices),
+                                        [draw.local_start + j for j in range(len(draw.local_indices))], label)
             return samples, metrics, engine.stats()
 
         with self.timers("rollout"):
@@ -322,7 +336,7 @@ class Trainer:
         """A checkpoint of `step`: the actor's shards and every registered piece of trainer state."""
         self.step = step
         checkpoint.save(self.cfg.trainer.output_dir, step, self.actor.model, self.actor.optimizer,
-                        self.saved.state_dict(), self.info.rank, self.cfg.trainer.keep_last)
+                        self.saved.state_dict(), self.info.rank, self.cfg.trainer.keep_last, self.critic.checkpointed())
 
     # ------------------------------------------------------------------------------------------------ the run
     def fit(self) -> None:

@@ -1,0 +1,107 @@
+"""The trainer's side of partial rollouts (`rollout.partial.*`, sparserl/rollout/partial.py): building the rollout
+call, saving the samples in flight with a checkpoint, and the step's `partial/*` metrics.
+
+Saved with the run: every replica owner's open groups (their tokens, per-token sampler log-probs, the steps that drew
+them, the ended members' rewards) are gathered into `trainer_state.pt` under "partial"; on resume each owner takes a
+share of them (the i-th saved group goes to data-parallel rank i mod dp), so a resumed run goes on with the samples
+it had in flight, drawn on with the same keyed streams (docs/decisions.md). The KV of a carried sample is never
+saved: it is re-prefilled at every step anyway.
+
+Metrics (over all data-parallel ranks): the share of the trained samples that were carried, the samples in flight
+after the step, and for each age a (steps between the weights that drew a token and the step that trains on it) the
+share of the trained model tokens of that age and their mismatch, mean logp_sparse - logp_old, the batch's
+`mismatch/kl` split by age.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from sparserl.actor.actor import TrainBatch
+from sparserl.engines.protocol import supports_partial
+from sparserl.rollout.episode import Sample
+from sparserl.rollout.partial import PartialRollouts, PartialSettings
+from sparserl.trainer.saved_state import SavedState
+from sparserl.utils.errors import UserError
+
+KEY = "partial"
+
+
+def build_partial(cfg, engine, tokenizer, env, params, rank: int, max_total_tokens: int | None,
+                  owner: bool = True) -> PartialRollouts | None:
+    """The rollout call of a run with `rollout.partial.enable=true` (None when off); `owner`: this rank runs the engine."""
+    p = cfg.rollout.partial
+    if not p.enable:
+        return None
+    if owner and not supports_partial(engine):
+        raise UserError(f"rollout.partial.enable=true: the {type(engine).__name__} engine cannot stop a call and resume "
+                        "a sample; use rollout.engine=native")
+    try:
+        return PartialRollouts(engine, tokenizer, env, params, PartialSettings(p.finish_frac, p.max_tokens, p.max_staleness),
+                               rank, cfg.logger.progress, max_total_tokens, cfg.env.step_timeout_s, cfg.env.max_concurrency)
+    except ValueError as e:
+        raise UserError(f"{e} (env.path={cfg.env.path})") from None
+
+
+def register(saved: SavedState, partial: PartialRollouts | None, dp_rank: int, dp_size: int, owner: bool) -> None:
+    """The samples in flight as a piece of the trainer state (every rank saves; only replica owners hold any)."""
+    if partial is None:
+        return
+
+    def save() -> list[dict]:
+        mine = partial.state_dict()
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return mine
+        everyone: list[list[dict]] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return [g for part in everyone for g in part]
+
+    def load(groups: list[dict]) -> None:
+        partial.load_state_dict(list(groups)[dp_rank::dp_size] if owner else [])
+
+    saved.register(KEY, save, load, default=[])
+
+
+def partial_metrics(step: int, samples: list[Sample], batch: TrainBatch, partial: PartialRollouts, dp_group,
+                    device) -> dict[str, float]:
+    """The step's `partial/*` metrics (a collective over the DP group); call after the update (logp_old set)."""
+    ages = partial.settings.max_staleness + 1
+    drawn = _drawn_by_row(samples, batch, dp_group)
+    mask = batch.response_mask if batch.response_mask is not None else batch.mask
+    tokens = torch.zeros(ages, dtype=torch.float64)
+    diff = torch.zeros(ages, dtype=torch.float64)
+    if batch.logp_old is not None and len(batch):
+        gap = (batch.logp_sparse - batch.logp_old).detach().to(torch.float64).cpu() * mask.cpu()  # (B, T)
+        age = torch.zeros(mask.shape, dtype=torch.long)
+        for j, steps in enumerate(drawn):
+            if steps:
+                age[j, : len(steps)] = (step - torch.tensor(steps)).clamp(0, ages - 1)
+        tokens.index_add_(0, age.flatten(), mask.cpu().to(torch.float64).flatten())
+        diff.index_add_(0, age.flatten(), gap.flatten())
+    carried = sum(bool(s.drawn_at) and min(s.drawn_at) < step for s in samples)
+    counts = torch.tensor([carried, len(samples), partial.in_flight, partial.calls], dtype=torch.float64)
+    sums = torch.cat([counts, tokens, diff]).to(device)
+    if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(sums, group=dp_group)
+    sums = sums.cpu()
+    carried, trained, in_flight, calls = sums[:4].tolist()
+    tokens, diff = sums[4: 4 + ages], sums[4 + ages:]
+    total = max(float(tokens.sum()), 1.0)
+    out = {"partial/carried_frac": carried / max(trained, 1.0), "partial/in_flight": in_flight,
+           "partial/trained_samples": trained, "partial/calls": calls}
+    for a in range(ages):  # names by str.format, which the metric-name scan reads as the families' templates
+        out["partial/tokens_age{}".format(a)] = float(tokens[a]) / total
+        if tokens[a] > 0:
+            out["partial/mismatch_kl_age{}".format(a)] = float(diff[a] / tokens[a])
+    return out
+
+
+def _drawn_by_row(samples: list[Sample], batch: TrainBatch, dp_group) -> list[list[int]]:
+    """Each batch row's `drawn_at`: its own sample's, or, where the update's balancing moved rows between ranks
+    (`batch.origin`), the sample's on the rank that rolled it out."""
+    if batch.origin is None:
+        return [s.drawn_at for s in samples]
+    world = dist.get_world_size(dp_group)
+    everyone: list[list[list[int]]] = [None] * world
+    dist.all_gather_object(everyone, [s.drawn_at for s in samples], group=dp_group)
+    return [everyone[r][i] for r, i in batch.origin]
