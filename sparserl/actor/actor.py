@@ -60,6 +60,8 @@ class TrainBatch:
     # (B, T) the sampler's tokens: the model tokens of the responses, as rolled out (`mask` before the length-cut
     # mask and the correction changed it); None: `mask` is that
     response_mask: torch.Tensor | None = None
+    values: torch.Tensor | None = None  # (B, T) a critic's values of the tokens' states before the update (gae)
+    returns: torch.Tensor | None = None  # (B, T) the critic's targets (algo/advantages.py gae_returns)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -146,6 +148,8 @@ class Actor:
             self.model.eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
+
+    summed = property(lambda self: _SUMMED, doc="the loss's metrics that are a share of a global quantity (summed)")
 
     # ------------------------------------------------------------------ micro-batching
     def _microbatches(self, batch: TrainBatch, index: list[int]) -> list[list[int]]:
@@ -235,10 +239,10 @@ class Actor:
                     grad_norms.append(norm)
                 skipped += not applied
         steps = num_minibatches * epochs
-        metrics = {k: (v / steps if k in _SUMMED else v / counts[k]) for k, v in sums.items()}
+        metrics = {k: (v / steps if k in self.summed else v / counts[k]) for k, v in sums.items()}
         metrics = self._mean_over_ranks(metrics, counts)
         if not self.skip_zero_advantage:
-            metrics.pop("actor/no_grad_seq_frac")
+            metrics.pop("actor/no_grad_seq_frac", None)
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         metrics["actor/skipped_steps"] = float(skipped)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
@@ -295,7 +299,7 @@ class Actor:
                         p.grad.mul_(grad_scale)
             out = {k: v * metric_scales.get(k, 1.0) for k, v in out.items()}
         # Shares of globally normalized terms add up; per-micro-batch rates are averaged.
-        return {k: v if k in _SUMMED else v / max(computed, 1) for k, v in out.items()}
+        return {k: v if k in self.summed else v / max(computed, 1) for k, v in out.items()}
 
     def _normalizer(self, batch: TrainBatch, index: list[int]) -> Normalizer:
         mask = batch.mask[index] if index else batch.mask[:0]
@@ -328,14 +332,14 @@ class Actor:
         return float(norm), True
 
     def _mean_over_ranks(self, metrics: dict[str, float], counts: dict[str, int]) -> dict[str, float]:
-        keys = sorted(_SUMMED | set(counts))
+        keys = sorted(self.summed | set(counts))
         vals = torch.tensor([metrics.get(k, 0.0) for k in keys] + [float(counts.get(k, 0) > 0) for k in keys],
                             dtype=torch.float64, device=self.device)
         all_reduce_sum(vals, self.dp_group)
         n = len(keys)
         out = {}
         for i, k in enumerate(keys):
-            if k in _SUMMED:
+            if k in self.summed:
                 out[k] = float(vals[i])  # shares of a globally normalized quantity add up
             elif vals[n + i] > 0:
                 out[k] = float(vals[i] / vals[n + i])

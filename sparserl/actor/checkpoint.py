@@ -73,11 +73,13 @@ def _sweep(root: Path, keep: Path | None = None) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def save(output_dir: str | Path, step: int, model, optimizer, state: dict, rank: int, keep_last: int = 0) -> Path:
+def save(output_dir: str | Path, step: int, model, optimizer, state: dict, rank: int, keep_last: int = 0,
+         extra: dict | None = None) -> Path:
     """Write a checkpoint of `step` (a collective: every rank calls it); returns its folder.
 
     `state` (plain data: numbers, strings, tensors) is rank 0's and is written once. With `keep_last` > 0 only
-    that many complete checkpoints remain afterwards, the new one included."""
+    that many complete checkpoints remain afterwards, the new one included. `extra`: name -> (model, optimizer) of
+    other sharded models of the run (the critic), saved beside the actor's shards under `name` and `name`_optim."""
     final = checkpoint_dir(output_dir, step)
     root = final.parent
     tmp = root / f".{final.name}.tmp"
@@ -86,7 +88,10 @@ def save(output_dir: str | Path, step: int, model, optimizer, state: dict, rank:
         _sweep(root)
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": _trained(model, model_sd), "optim": optim_sd}, checkpoint_id=str(tmp))
+    shards = {"model": _trained(model, model_sd), "optim": optim_sd}
+    for name, (m, opt) in (extra or {}).items():
+        shards[name], shards[f"{name}_optim"] = get_state_dict(m, opt)
+    dcp.save(shards, checkpoint_id=str(tmp))
     if rank == 0:
         torch.save(state, tmp / STATE_FILE)
     _barrier()
@@ -132,18 +137,29 @@ def read_state(path: Path) -> dict:
                         f"(loading it could run code) or is damaged: {one_line(e)[:200]}") from None
 
 
-def load(path: Path, model, optimizer) -> dict:
+def load(path: Path, model, optimizer, extra: dict | None = None) -> dict:
     """Load model + optimizer (resharded onto this run's mesh, whatever the saving world size) and return
     the trainer state. The trainer state is read first, so an unsafe checkpoint is refused before any shard
-    is touched."""
+    is touched. `extra` as `save` takes it: a name the checkpoint lacks is a UserError."""
     state = read_state(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     trained = _trained(model, model_sd)
     _check_tensors(path, trained)
     shards = {"model": trained, "optim": optim_sd}
+    extra = extra or {}
+    if extra:
+        saved = {k.split(".", 1)[0] for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+        for name in extra:
+            if name not in saved:
+                raise UserError(f"trainer.resume={path}: the checkpoint holds no {name} (saved without one, "
+                                f"{name}.enable=false); resume with the settings it was saved with, or start a new run")
+    for name, (m, opt) in extra.items():
+        shards[name], shards[f"{name}_optim"] = get_state_dict(m, opt)
     dcp.load(shards, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"],
                    options=StateDictOptions(strict=len(trained) == len(model_sd)))
+    for name, (m, opt) in extra.items():
+        set_state_dict(m, opt, model_state_dict=shards[name], optim_state_dict=shards[f"{name}_optim"])
     return state
 
 

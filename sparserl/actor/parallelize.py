@@ -30,6 +30,9 @@ from sparserl.actor.vocab_parallel import ATTR, VocabShard
 from sparserl.parallel import ParallelDims, fsdp_mesh
 
 
+EXTRA_PLAN = "sparserl_extra_tp_plan"  # a model attribute: plan entries for modules added to it (actor/critic.py)
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
@@ -122,7 +125,7 @@ def _styles() -> dict[str, ParallelStyle]:
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
     """Split `model` over the 1-D `tp_mesh` in place, following its family's plan."""
     ParallelDims(dp=1, tp=tp_mesh.size()).validate_model(model.config)
-    plan = tp_plan(model.config)
+    plan = {**tp_plan(model.config), **getattr(model, EXTRA_PLAN, {})}  # modules a prepare step added (a value head)
     styles = _styles()
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight

@@ -1,5 +1,5 @@
 """Advantage estimators, registered by name (`algo.adv_estimator`): pure functions of the step's rewards, masks
-and, for an estimator that reads them, a critic's values (`AdvInputs`).
+and, for an estimator that reads them (`Estimator.uses_values`: gae), a critic's values (`AdvInputs`).
 
 An estimator returns one advantage per sequence, (G, n), which the loss broadcasts over the sequence's tokens, or
 one per token, (B, T), with B = G x n rows in group order and 0 off the mask:
@@ -9,6 +9,12 @@ one per token, (B, T), with B = G x n rows in group order and 0 off the mask:
   * REINFORCE++ (reinforce_pp, reinforce_pp_baseline), (B, T): each token's return (the per-token rewards of the
     tokens from it on plus the sequence's reward at its last token, undiscounted), whitened over the masked tokens
     of the whole batch: every DP rank's, summed by `reduce_sum` (two all-reduces of float64 sums).
+  * GAE (gae), (B, T): generalized advantage estimation over each row's masked tokens with a critic's values (the
+    value of the state each token is sampled in), `gamma` and `lam`; the sequence's reward at its last masked token,
+    the per-token rewards (the KL penalty) on every one, 0 after the last. Tokens off the mask (a multi-turn episode's
+    env tokens) are skipped: the recursion runs from one masked token to the next, so the value bootstraps across
+    them. The advantages are whitened over the batch as REINFORCE++'s; the critic's targets are the unwhitened
+    advantages plus the values (`gae_returns`).
 
 `valid` marks the members that count in the statistics (group baselines, batch whitening). Invalid members (e.g.
 sequences rejected by the correction when `algo.correction.rejected_in_baseline=False`) get advantage 0 and enter
@@ -18,8 +24,8 @@ Each estimator also says whether it has a group baseline (`Estimator.group_basel
 valid rewards all tie carries no reward signal (`reward_signal`, what dynamic sampling judges); without one
 (reinforce_pp) every reward is measured against the batch's, so every valid member has one.
 
-Left out on purpose: GAE (it reads `values`, which no registered estimator needs yet: a critic's), discounting
-(gamma = 1) and batch-level reward scaling for the group estimators. Overlong reward shaping belongs to the
+Left out on purpose: discounting (gamma = 1) for REINFORCE++ and batch-level reward scaling for the group
+estimators; GAE without whitening. Overlong reward shaping belongs to the
 reward side, not here.
 """
 from __future__ import annotations
@@ -48,8 +54,10 @@ class AdvInputs:
     eps: float = 1e-6
     mask: Tensor | None = None  # (G*n, T) float: the tokens that get advantages; per-token estimators need it
     token_rewards: Tensor | None = None  # (G*n, T) per-token rewards (minus the KL penalty), 0 off the mask
-    values: Tensor | None = None  # (G*n, T) a critic's value of each token's state (no estimator reads it yet)
+    values: Tensor | None = None  # (G*n, T) a critic's value of each token's state (gae reads it)
     reduce_sum: Reduce = _local  # sums a small float64 tensor over the DP ranks (batch statistics)
+    gamma: float = 1.0  # gae: the discount per model token
+    lam: float = 1.0  # gae: the GAE lambda
 
 
 @dataclass(frozen=True)
@@ -57,17 +65,18 @@ class Estimator:
     fn: Callable[[AdvInputs], Tensor]
     per_token: bool  # returns (G*n, T) instead of (G, n)
     group_baseline: bool  # centred on its group: a group whose rewards tie gets no reward signal
+    uses_values: bool = False  # reads a critic's values (AdvInputs.values)
 
 
 ADV_ESTIMATORS: dict[str, Estimator] = {}
 
 
-def register_adv_estimator(name: str, *, per_token: bool = False,
-                           group_baseline: bool = True) -> Callable[[Callable], Callable]:
+def register_adv_estimator(name: str, *, per_token: bool = False, group_baseline: bool = True,
+                           uses_values: bool = False) -> Callable[[Callable], Callable]:
     def deco(fn: Callable[[AdvInputs], Tensor]) -> Callable[[AdvInputs], Tensor]:
         if name in ADV_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADV_ESTIMATORS[name] = Estimator(fn, per_token, group_baseline)
+        ADV_ESTIMATORS[name] = Estimator(fn, per_token, group_baseline, uses_values)
         return fn
 
     return deco
@@ -163,6 +172,51 @@ def reinforce_pp_baseline(x: AdvInputs) -> Tensor:
     return _whiten_over_batch(_returns(centred, x), x)
 
 
+# ------------------------------------------------------------------------------------------------------- GAE
+def _gae(x: AdvInputs) -> Tensor:
+    """(B, T) raw GAE: A_t = delta_t + gamma lam A_t' and delta_t = r_t + gamma V_t' - V_t, t' the row's next masked
+    token (V_t' = A_t' = 0 after its last); 0 off the mask. One loop over T, vectorized over rows; the carried next
+    value and advantage pass through unmasked tokens unchanged, which is what skips them."""
+    if x.values is None:
+        raise ValueError("advantage estimator 'gae' needs a critic's values (critic.enable=true)")
+    on = x.mask > 0  # (B, T)
+    dtype = torch.promote_types(torch.promote_types(x.rewards.dtype, x.values.dtype), x.mask.dtype)
+    values = torch.where(on, x.values.to(dtype), torch.zeros((), dtype=dtype, device=on.device))  # (B, T)
+    tok = torch.zeros_like(values) if x.token_rewards is None else x.token_rewards.to(dtype)
+    tok = torch.where(on, tok, torch.zeros_like(tok))  # (B, T)
+    B, T = on.shape
+    cols = torch.arange(T, device=on.device).expand(B, T)
+    last = torch.where(on, cols, torch.full_like(cols, -1)).amax(-1, keepdim=True)  # (B, 1): the last masked token
+    tok = tok + torch.where(cols == last, x.rewards.reshape(-1, 1).to(dtype), torch.zeros_like(tok))
+    adv = torch.zeros_like(values)
+    next_value = next_adv = values.new_zeros(B)  # (B,)
+    for t in range(T - 1, -1, -1):
+        here = on[:, t]
+        delta = tok[:, t] + x.gamma * next_value - values[:, t]
+        a = delta + x.gamma * x.lam * next_adv
+        adv[:, t] = torch.where(here, a, torch.zeros_like(a))
+        next_adv = torch.where(here, a, next_adv)
+        next_value = torch.where(here, values[:, t], next_value)
+    return adv
+
+
+def gae_returns(rewards: Tensor, mask: Tensor, values: Tensor, token_rewards: Tensor | None = None,
+                gamma: float = 1.0, lam: float = 1.0) -> Tensor:
+    """(B, T) the critic's targets under gae: the raw (unwhitened) advantages plus the values, 0 off the mask.
+    `rewards` (G, n) or (B,); the other arguments as `compute_advantages` takes them."""
+    r = rewards.detach().reshape(-1, 1)
+    x = AdvInputs(r, torch.ones_like(r, dtype=torch.bool), mask=mask.detach(), values=values.detach(),
+                  token_rewards=None if token_rewards is None else token_rewards.detach(), gamma=gamma, lam=lam)
+    adv = _gae(x)
+    return torch.where(mask > 0, adv + x.values.to(adv.dtype), torch.zeros_like(adv))
+
+
+@register_adv_estimator("gae", per_token=True, group_baseline=False, uses_values=True)
+def gae(x: AdvInputs) -> Tensor:
+    """GAE with a critic's values, whitened over the batch (the masked tokens of the valid rows of every DP rank)."""
+    return _whiten_over_batch(_gae(x), x)
+
+
 # ------------------------------------------------------------------------------------------------ entry points
 def _estimator(name: str) -> Estimator:
     if name not in ADV_ESTIMATORS:
@@ -186,15 +240,22 @@ def is_per_token(name: str) -> bool:
     return _estimator(name).per_token
 
 
+def uses_values(name: str) -> bool:
+    """Whether estimator `name` reads a critic's values."""
+    return _estimator(name).uses_values
+
+
 def compute_advantages(
     name: str, rewards: Tensor, valid: Tensor | None = None, eps: float = 1e-6, *, mask: Tensor | None = None,
     token_rewards: Tensor | None = None, values: Tensor | None = None, reduce_sum: Reduce | None = None,
+    gamma: float = 1.0, lam: float = 1.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Advantages for rewards (G, n): (G, n) from a group estimator, (G*n, T) from a per-token one; and metrics.
 
     `valid` (G, n) bool, default all valid. `mask` (G*n, T): the tokens that get advantages (needed by per-token
     estimators). `token_rewards` (G*n, T): per-token rewards (the negated KL penalty); a group estimator sees their
     sum added to the sequence's reward. `reduce_sum`: the DP ranks' sum for batch statistics (default: this rank).
+    `values` (G*n, T): a critic's, for an estimator that reads them (gae, with `gamma` and `lam`).
     A group whose valid members all have the same reward gets advantage exactly 0 from a group estimator.
     """
     est = _estimator(name)
@@ -208,7 +269,7 @@ def compute_advantages(
         token_rewards = None
     x = AdvInputs(r, valid, eps, None if mask is None else mask.detach(),
                   None if token_rewards is None else token_rewards.detach(),
-                  None if values is None else values.detach(), reduce_sum or _local)
+                  None if values is None else values.detach(), reduce_sum or _local, gamma, lam)
     adv = est.fn(x)  # (G, n) or (G*n, T)
     return adv, _metrics(adv, r, valid, x.mask if est.per_token else None)
 

@@ -1,9 +1,10 @@
 """Advantages of one step's batch: rewards (minus DAPO's overlong penalty under `algo.overlong.penalty > 0`,
 and the KL penalty under `algo.kl.mode=reward`) through the configured estimator (algo/advantages.py), one group
 per prompt's `rollout.n` samples. A group estimator gives `batch.advantages` (B,), one per sequence, with the KL
-penalty summed into the sequence's reward; a per-token one (REINFORCE++) gives (B, T), with the KL penalty as each
-token's reward and statistics over the loss tokens of every DP rank (`batch.mask` at this point: with the correction
-applied, its rejected sequences and masked tokens are out of them).
+penalty summed into the sequence's reward; a per-token one (REINFORCE++, GAE) gives (B, T), with the KL penalty as
+each token's reward and statistics over the loss tokens of every DP rank (`batch.mask` at this point: with the
+correction applied, its rejected sequences and masked tokens are out of them). GAE reads the critic's values
+(`batch.values`, trainer/critic.py) and also sets the critic's targets, `batch.returns`.
 
 `shaped_rewards` is the reward the advantages see before the KL penalty: the env's reward minus the overlong
 ramp of the sample's last model turn (the turn the length cap can cut; algo/overlong.py). Dynamic sampling
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from sparserl.actor.actor import TrainBatch
-from sparserl.algo.advantages import compute_advantages, is_per_token
+from sparserl.algo.advantages import compute_advantages, gae_returns, is_per_token, uses_values
 from sparserl.algo.correction import dist_reduce_sum, low_xi_metrics
 from sparserl.algo.loss import LossConfig, kl_reward_penalty
 from sparserl.algo.overlong import overlong_penalty
@@ -83,8 +84,12 @@ def set_advantages(algo: AlgoConfig, batch: TrainBatch, samples: list[Sample], n
         assert rejected is not None, "rejected_in_baseline=False needs the correction before the update"
         valid = (~rejected).view(-1, n)
     per_token = is_per_token(algo.adv_estimator)
+    values = batch.values if uses_values(algo.adv_estimator) else None
     adv, m = compute_advantages(algo.adv_estimator, rewards.view(-1, n), valid, mask=batch.mask if per_token else None,
-                                token_rewards=token_rewards, reduce_sum=dist_reduce_sum(dp_group))
+                                token_rewards=token_rewards, values=values, reduce_sum=dist_reduce_sum(dp_group),
+                                gamma=algo.gamma, lam=algo.lam)
+    if values is not None:
+        batch.returns = gae_returns(rewards, batch.mask, values, token_rewards, algo.gamma, algo.lam)
     batch.advantages = adv if per_token else adv.reshape(-1)
     metrics.update(m)
     if batch.logp_old is not None:

@@ -27,7 +27,8 @@ from sparserl.actor.logprobs import prompt_key
 from sparserl.data.packing import balanced_partition, contiguous_minibatches, prompt_units
 
 # The batch's per-token (B, T) fields that travel with a sequence (those that are set).
-PER_TOKEN = ("mask", "logp_old", "logp_sparse", "logp_ref", "weights", "kl_weights", "response_mask")
+PER_TOKEN = ("mask", "logp_old", "logp_sparse", "logp_ref", "weights", "kl_weights", "response_mask", "values",
+             "returns")
 
 
 @dataclass

@@ -3,7 +3,9 @@ metric finite and a gradient. The fast case is GSPO over REINFORCE++ advantages 
 applied (R-KV rollouts that compress, per-token advantages whitened over both ranks, the correction's weights as a
 per-sequence geometric mean); the others (RLOO, REINFORCE++-baseline and REINFORCE++ with the KL in the reward under
 GSPO-token, without an entropy bonus so that zero-advantage sequences skip backward) are `slow`, each 18-20 s on the
-2-core CI machine (the fast case 25 s)."""
+2-core CI machine (the fast case 25 s). PPO with a critic under the correction (`+preset=[ppo,sparse_rl]`: GAE over the
+critic's values, the k1 KL in the reward, the critic trained after the actor) is the second fast case: its critic/
+metrics are logged and the critic learns between the steps."""
 import math
 
 import pytest
@@ -28,11 +30,13 @@ CASES = {
     "reinforce_pp_baseline": {"algo.adv_estimator": "reinforce_pp_baseline", **KL_REWARD},
     "reinforce_pp_kl_gspo_token": {"algo.adv_estimator": "reinforce_pp", "algo.policy_loss": "gspo_token",
                                    "algo.clip_low": 3e-4, "algo.clip_high": 4e-4, "algo.entropy_coef": 0, **KL_REWARD},
+    # PPO with a critic under the Sparse-RL correction: GAE over the critic's values, the k1 KL in the reward.
+    "ppo_sparse": {**SPARSE, "+preset": "[ppo,sparse_rl]", "critic.lr": 1e-3, "critic.warmup_steps": 0},
 }
+FAST = ("gspo_reinforce_pp_sparse", "ppo_sparse")
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if c == "gspo_reinforce_pp_sparse" else [pytest.mark.slow])
-                                  for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if c in FAST else [pytest.mark.slow]) for c in CASES])
 def test_two_process_run_is_finite(case, tiny_checkpoint, tmp_path):
     rows = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
             for a, b in [(1, 1), (2, 3), (4, 4), (5, 1)]]
@@ -49,10 +53,17 @@ def test_two_process_run_is_finite(case, tiny_checkpoint, tmp_path):
         assert not bad, bad
         assert m["actor/grad_norm"] > 0
     assert any(m["adv/abs_max"] > 0 for m in metrics)  # rank 0's two groups of 4 samples tie now and then
-    if case.startswith("gspo"):
+    if case.endswith("sparse"):
         assert sum(m["kv/compressions"] for m in metrics) > 0  # the sampler was sparse
         assert all("correction/rejected_seq_frac" in m for m in metrics)
+        assert "old log-probs: a separate forward pass" in res.stdout + res.stderr  # the rejections come before GAE
+    if case == "gspo_reinforce_pp_sparse":
         assert "a separate forward pass (algo.adv_estimator=reinforce_pp with the correction applied" in res.stdout + res.stderr
+    if case == "ppo_sparse":  # the critic trained after the actor, on the same batch, and its values fed GAE
+        for m in metrics:
+            assert m["critic/value_loss"] > 0 and m["critic/grad_norm"] > 0 and m["critic/explained_var"] <= 1
+            assert "reward/kl_penalty" in m and m["perf/critic_update_s"] > 0 and m["perf/critic_values_s"] > 0
+        assert metrics[1]["critic/value_mean"] != metrics[0]["critic/value_mean"]  # it learned between the steps
     if "kl" in case or case == "reinforce_pp_baseline":
         assert all(m["reward/kl_penalty"] != 0 for m in metrics[1:])  # the policy moved away from the reference
     if case == "reinforce_pp_kl_gspo_token":  # per-token advantages through the skip of zero-advantage sequences

@@ -116,23 +116,29 @@ def test_dense_run_parity_env_errors_and_export(tiny_checkpoint, task, tmp_path)
     assert pool and int(pool[1]) > 0 and int(pool[2]) > 0, "the run's log must say the KV pool the engine got"
 
 
-def test_resume_matches_uninterrupted_run(tiny_checkpoint, task, tmp_path):
+# The run with a critic (+preset=ppo: GAE, the KL in the reward, the critic's shards and schedule in the checkpoint)
+# is `slow`; tests/unit/test_critic.py resumes a critic bitwise in one process.
+@pytest.mark.parametrize("extra", [pytest.param({}, id="grpo"),
+                                   pytest.param({"+preset": "ppo", "critic.lr": 1e-3}, id="ppo", marks=pytest.mark.slow)])
+def test_resume_matches_uninterrupted_run(tiny_checkpoint, task, tmp_path, extra):
     data, env = task
     full, cut = tmp_path / "full", tmp_path / "cut"
 
     def cut_then_resume():
-        res = trainer(tiny_args(tiny_checkpoint, data, env, cut, steps=3, **{"trainer.stop_after": 2}), nproc=2)
+        res = trainer(tiny_args(tiny_checkpoint, data, env, cut, steps=3, **{"trainer.stop_after": 2}, **extra), nproc=2)
         assert res.returncode == 0, res.stderr[-3000:]
         assert [m["step"] for m in read_metrics(cut)] == [1, 2] and not (cut / "hf").exists()
-        return trainer(tiny_args(tiny_checkpoint, data, env, cut, steps=3, **{"trainer.resume": "auto"}), nproc=2)
+        return trainer(tiny_args(tiny_checkpoint, data, env, cut, steps=3, **{"trainer.resume": "auto"}, **extra), nproc=2)
 
-    for res in side_by_side(lambda: trainer(tiny_args(tiny_checkpoint, data, env, full, steps=3), nproc=2),
+    for res in side_by_side(lambda: trainer(tiny_args(tiny_checkpoint, data, env, full, steps=3, **extra), nproc=2),
                             cut_then_resume):
         assert res.returncode == 0, res.stderr[-3000:]
     a, b = read_metrics(full), read_metrics(cut)
     assert [m["step"] for m in b] == [1, 2, 3]
     # The trainer state holds the keys, in the order, checkpoints have always had (trainer/saved_state.py).
-    assert list(saved_state(cut, 2)) == LEGACY_KEYS + ["run_id"] and saved_state(cut, 2)["step"] == 2
+    critic = ["critic_scheduler"] if extra else []
+    assert list(saved_state(cut, 2)) == LEGACY_KEYS + ["run_id"] + critic and saved_state(cut, 2)["step"] == 2
+    assert all("critic/value_loss" in m for m in b) == bool(extra)
     timing = ("perf/", "mem/", "kv/compress_s")
     for key, value in a[2].items():
         if not key.startswith(timing):
