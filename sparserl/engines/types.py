@@ -85,7 +85,8 @@ class Cutoff:
     """When a `generate` call may stop before every sample has ended (partial rollouts): once `finish_frac` of its
     sequences have ended, and, per sequence, after `max_tokens` new tokens in this call (0: no bound). The
     sequences it stops come back with finish_reason "abort" and what they drew so far; those of the requests in
-    `exempt` (indices into the call's list) run to their own end."""
+    `exempt` (indices into the call's list) run to their own end, and while one still runs the share does not stop
+    the others (the call lasts until it ends anyway)."""
 
     finish_frac: float = 1.0
     max_tokens: int = 0

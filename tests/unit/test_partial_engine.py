@@ -69,17 +69,23 @@ def test_carried_samples_draw_what_one_uninterrupted_call_draws(kv):
 def test_the_cutoff_stops_at_the_finished_share_and_spares_the_exempt():
     eng = engine(eos=(3, 17, 5, 9))  # the tiny model draws these now and then: responses of 3 to 40 tokens
     ref = eng.generate([GenerationRequest(p, PARAMS, i) for i, p in enumerate(PROMPTS)])
-    assert max(len(g.token_ids) for g in ref if g.request_id == 0) > sorted(len(g.token_ids) for g in ref)[3]
+    assert max(len(g.token_ids) for g in ref if g.request_id == 3) > sorted(len(g.token_ids) for g in ref)[3]
     gens = eng.generate([GenerationRequest(p, PARAMS, i) for i, p in enumerate(PROMPTS)],
-                        cutoff=Cutoff(finish_frac=0.5, exempt=frozenset({0})))
+                        cutoff=Cutoff(finish_frac=0.5, exempt=frozenset({3})))
     ended = [g for g in gens if g.finish_reason != "abort"]
     assert 4 <= len(ended) < len(gens)
     for g, r in zip(gens, ref):
         assert g.token_ids == r.token_ids[: len(g.token_ids)]
-        if g.request_id == 0:  # exempt: ran to its own end
+        if g.request_id == 3:  # exempt: ran to its own end
             assert g.finish_reason == r.finish_reason and g.token_ids == r.token_ids
-    stopped = [g for g in gens if g.finish_reason == "abort" and g.request_id != 0]
-    assert stopped and all(len(g.token_ids) <= max(len(e.token_ids) for e in ended if e.request_id != 0) for g in stopped)
+    # The share was reached early, but the others decode on while the exempt request runs, and stop when it ends.
+    stopped = [g for g in gens if g.finish_reason == "abort"]
+    exempt_end = max(len(g.token_ids) for g in gens if g.request_id == 3)
+    assert stopped and all(len(g.token_ids) == exempt_end for g in stopped)
+    cut = eng.generate([GenerationRequest(p, PARAMS, i) for i, p in enumerate(PROMPTS)], cutoff=Cutoff(finish_frac=0.5))
+    fourth = sorted(len(g.token_ids) for g in ref)[3]  # the share is reached when the fourth sample ends
+    assert sum(g.finish_reason != "abort" for g in cut) >= 4
+    assert all(len(g.token_ids) == fourth for g in cut if g.finish_reason == "abort")
     assert eng.pool.num_used == 0
     whole = eng.generate([GenerationRequest(p, PARAMS, i) for i, p in enumerate(PROMPTS)], cutoff=Cutoff(1.0))
     assert [g.token_ids for g in whole] == [g.token_ids for g in ref]  # finish_frac=1 never stops a call

@@ -57,11 +57,13 @@ class CutoffWatch:
         if not self.stopping:
             ended = sum(s.finish_reason is not None and s.finish_reason != "abort" for s in self.seqs)
             self.stopping = ended >= self.need and ended < len(self.seqs)
+        # While an exempt sequence still runs the call goes on anyway, so the others decode on beside it.
+        stop_all = self.stopping and not any(s.finish_reason is None and s.request_index in c.exempt for s in self.seqs)
         out = []
         for s in self.seqs:
             if s.finish_reason is not None or s.request_index in c.exempt:
                 continue
-            if self.stopping or (c.max_tokens and len(s.output) - s.resumed >= c.max_tokens):
+            if stop_all or (c.max_tokens and len(s.output) - s.resumed >= c.max_tokens):
                 out.append(s)
         return out
 
