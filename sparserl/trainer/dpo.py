@@ -11,7 +11,7 @@ in trainer/pairs.py; the keys are the GRPO trainer's plus `dpo.*`. `output_dir/h
 SFT's (a LoRA adapter folder under LoRA), ready for `model.path` of a GRPO run or `python -m sparserl.eval`.
 Metrics: dpo/loss, dpo/accuracy (pairs whose chosen implicit reward beta (logp - ref) is strictly the higher),
 dpo/margin (mean chosen minus rejected reward), dpo/chosen_reward, dpo/rejected_reward, dpo/chosen_logp,
-dpo/rejected_logp (summed log-probs); `eval/` the same on the held-out pairs.
+dpo/rejected_logp (summed log-probs); `eval/dpo/` the same on the held-out pairs.
 Left out on purpose: a reference other than the starting model (`model.path`), and caching the reference's
 log-probs across runs (a resumed run recomputes them).
 """
@@ -39,6 +39,8 @@ from sparserl.utils.seed import set_seed
 DPO_ROOT = "outputs/dpo"
 METRICS = ("dpo/loss", "dpo/accuracy", "dpo/margin", "dpo/chosen_reward", "dpo/rejected_reward", "dpo/chosen_logp",
            "dpo/rejected_logp")
+EVAL_METRICS = ("eval/dpo/loss", "eval/dpo/accuracy", "eval/dpo/margin", "eval/dpo/chosen_reward",
+                "eval/dpo/rejected_reward", "eval/dpo/chosen_logp", "eval/dpo/rejected_logp")
 
 
 def sequence_logps(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -107,7 +109,7 @@ class DPOObjective:
             seq = sequence_logps(logp, batch.mask)
             _, sums = dpo_loss(self.name, self.beta, seq[0::2], seq[1::2], ref[0::2], ref[1::2])
         means = P.reduce_sums({k: sums.get(k, 0.0) for k in METRICS}, len(pairs), self.actor.dp_group, self.actor.device)
-        return {"eval/" + k.split("/", 1)[1]: v for k, v in means.items()}
+        return {held: means[k] for k, held in zip(METRICS, EVAL_METRICS)}
 
     def export(self, cfg: Config, tokenizer, rank: int) -> None:
         export_final(cfg, self.actor, tokenizer, rank)

@@ -41,6 +41,10 @@ GROUPS: dict[str, str] = {
     "overlong": ("Responses cut by a length limit (`algo.overlong.*`), over the step's trained samples on all "
                  "data-parallel ranks."),
     "actor": "The policy update: means over the step's optimizer steps and all ranks.",
+    "rm": ("The reward model's update (python -m sparserl.trainer.rm, docs/rm.md): means over the step's pairs on "
+           "all ranks; eval/rm/ the same on the held-out pairs."),
+    "dpo": ("The DPO / IPO update (python -m sparserl.trainer.dpo, docs/dpo.md): means over the step's pairs on all "
+            "ranks; rewards are beta (logp - logp_ref) of a response; eval/dpo/ the same on the held-out pairs."),
     "critic": ("The critic's update (`critic.enable=true`, `algo.adv_estimator=gae`): means over the step's optimizer "
                "steps and all ranks; the value statistics over the loss tokens of all ranks, with the values GAE read."),
     "mismatch": ("How far the sampler's log-probs (logp_sparse) are from the trainer's dense recompute (logp_old) on "
@@ -325,6 +329,31 @@ METRICS: tuple[Metric, ...] = (
     Metric("openreward/<env>/reward_mean", "Mean reward of those samples", "`env.openreward.envs` set"),
     *(Metric(f"tool/{counter}_mean", f"Mean per sample of {what}", "`env.openreward.envs` set")
       for counter, what in TOOL_COUNTERS.items()),
+    # rm/, dpo/ (the preference trainers)
+    Metric("rm/loss", "Bradley-Terry loss -log sigmoid(r_chosen - r_rejected)", "python -m sparserl.trainer.rm"),
+    Metric("eval/rm/loss", "Bradley-Terry loss -log sigmoid(r_chosen - r_rejected), on the held-out pairs", "python -m sparserl.trainer.rm: before the first step, every `rm.eval_every` steps and after the last"),
+    Metric("rm/accuracy", "Share of pairs whose chosen response scores strictly higher", "python -m sparserl.trainer.rm"),
+    Metric("eval/rm/accuracy", "Share of pairs whose chosen response scores strictly higher, on the held-out pairs", "python -m sparserl.trainer.rm: before the first step, every `rm.eval_every` steps and after the last"),
+    Metric("rm/margin", "Mean score difference r_chosen - r_rejected", "python -m sparserl.trainer.rm"),
+    Metric("eval/rm/margin", "Mean score difference r_chosen - r_rejected, on the held-out pairs", "python -m sparserl.trainer.rm: before the first step, every `rm.eval_every` steps and after the last"),
+    Metric("rm/chosen_score", "Mean score of the chosen responses", "python -m sparserl.trainer.rm"),
+    Metric("eval/rm/chosen_score", "Mean score of the chosen responses, on the held-out pairs", "python -m sparserl.trainer.rm: before the first step, every `rm.eval_every` steps and after the last"),
+    Metric("rm/rejected_score", "Mean score of the rejected responses", "python -m sparserl.trainer.rm"),
+    Metric("eval/rm/rejected_score", "Mean score of the rejected responses, on the held-out pairs", "python -m sparserl.trainer.rm: before the first step, every `rm.eval_every` steps and after the last"),
+    Metric("dpo/loss", "The `dpo.loss` objective (sigmoid DPO or IPO) per pair", "python -m sparserl.trainer.dpo"),
+    Metric("eval/dpo/loss", "The `dpo.loss` objective (sigmoid DPO or IPO) per pair, on the held-out pairs", "python -m sparserl.trainer.dpo: before the first step, every `dpo.eval_every` steps and after the last"),
+    Metric("dpo/accuracy", "Share of pairs whose chosen reward is strictly the higher", "python -m sparserl.trainer.dpo"),
+    Metric("eval/dpo/accuracy", "Share of pairs whose chosen reward is strictly the higher, on the held-out pairs", "python -m sparserl.trainer.dpo: before the first step, every `dpo.eval_every` steps and after the last"),
+    Metric("dpo/margin", "Mean chosen reward minus rejected reward", "python -m sparserl.trainer.dpo"),
+    Metric("eval/dpo/margin", "Mean chosen reward minus rejected reward, on the held-out pairs", "python -m sparserl.trainer.dpo: before the first step, every `dpo.eval_every` steps and after the last"),
+    Metric("dpo/chosen_reward", "Mean beta (logp - logp_ref) of the chosen responses", "python -m sparserl.trainer.dpo"),
+    Metric("eval/dpo/chosen_reward", "Mean beta (logp - logp_ref) of the chosen responses, on the held-out pairs", "python -m sparserl.trainer.dpo: before the first step, every `dpo.eval_every` steps and after the last"),
+    Metric("dpo/rejected_reward", "Mean beta (logp - logp_ref) of the rejected responses", "python -m sparserl.trainer.dpo"),
+    Metric("eval/dpo/rejected_reward", "Mean beta (logp - logp_ref) of the rejected responses, on the held-out pairs", "python -m sparserl.trainer.dpo: before the first step, every `dpo.eval_every` steps and after the last"),
+    Metric("dpo/chosen_logp", "Mean summed log-prob of the chosen responses under the policy", "python -m sparserl.trainer.dpo"),
+    Metric("eval/dpo/chosen_logp", "Mean summed log-prob of the chosen responses under the policy, on the held-out pairs", "python -m sparserl.trainer.dpo: before the first step, every `dpo.eval_every` steps and after the last"),
+    Metric("dpo/rejected_logp", "Mean summed log-prob of the rejected responses under the policy", "python -m sparserl.trainer.dpo"),
+    Metric("eval/dpo/rejected_logp", "Mean summed log-prob of the rejected responses under the policy, on the held-out pairs", "python -m sparserl.trainer.dpo: before the first step, every `dpo.eval_every` steps and after the last"),
 )
 
 # Metric-shaped names in the code that never reach metrics.jsonl: what each becomes.

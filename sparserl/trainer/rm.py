@@ -9,7 +9,7 @@ from `rm.eval_path`; the loop, checkpoints and resume are trainer/pairs.py's; th
 (`model.*`, `actor.*` for AdamW, packing and LoRA, `parallel.cp`, `trainer.*`) plus `rm.*`. The result,
 `output_dir/hf`, loads with `AutoModelForSequenceClassification` (adapters merged).
 Metrics: rm/loss, rm/accuracy (pairs whose chosen score is strictly higher), rm/margin (mean r_c - r_r),
-rm/chosen_score, rm/rejected_score; `eval/` the same on the held-out pairs.
+rm/chosen_score, rm/rejected_score; `eval/rm/` the same on the held-out pairs.
 Left out on purpose: tensor parallelism (refused; the head is not in the TP plans), and margin or
 regularization terms (centering the scores).
 """
@@ -33,6 +33,8 @@ from sparserl.utils.errors import UserError, run_main
 from sparserl.utils.seed import set_seed
 
 RM_ROOT = "outputs/rm"
+METRICS = ("rm/loss", "rm/accuracy", "rm/margin", "rm/chosen_score", "rm/rejected_score")
+EVAL_METRICS = ("eval/rm/loss", "eval/rm/accuracy", "eval/rm/margin", "eval/rm/chosen_score", "eval/rm/rejected_score")
 
 
 class BTLoss:
@@ -67,10 +69,8 @@ class RewardObjective:
     def evaluate(self, pairs: list[P.Pair], ids: list[int]) -> dict[str, float]:
         scores = self.actor.scores(P.pair_batch(pairs))  # None: no held-out pairs on this rank
         _, sums = bradley_terry(scores[0::2].double(), scores[1::2].double()) if scores is not None else (None, {})
-        sums = {k: sums.get(k, 0.0) for k in ("rm/loss", "rm/accuracy", "rm/margin", "rm/chosen_score",
-                                              "rm/rejected_score")}
-        means = P.reduce_sums(sums, len(pairs), self.actor.dp_group, self.actor.device)
-        return {"eval/" + k.split("/", 1)[1]: v for k, v in means.items()}
+        means = P.reduce_sums({k: sums.get(k, 0.0) for k in METRICS}, len(pairs), self.actor.dp_group, self.actor.device)
+        return {held: means[k] for k, held in zip(METRICS, EVAL_METRICS)}
 
     def export(self, cfg: Config, tokenizer, rank: int) -> None:
         export_reward_model(cfg, self.actor, tokenizer, rank)
