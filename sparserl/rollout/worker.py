@@ -38,7 +38,8 @@ generation is not scored (reward 0). The `n` trajectories of a prompt must open 
 once, this rank's prompts, seed indices and a progress label per call.
 
 Left out on purpose: splitting a trajectory whose `next_state` rewrites history into several sequences,
-partial rollouts across steps, and per-token rewards.
+partial rollouts across steps (rollout/partial.py carries
+single-turn samples), and per-token rewards.
 """
 from __future__ import annotations
 
