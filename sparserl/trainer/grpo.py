@@ -4,10 +4,11 @@ Each step, top to bottom (reasons in docs/decisions.md):
   1. wake the engine and roll out this rank's prompts through the env (sparserl/rollout);
   2. put the engine to sleep, giving its KV memory back;
   3. logp_old, the dense log-probs of the sampled tokens; with `algo.correction.rescue=dense` the sequences the
-     correction would reject are rolled out again densely and replaced (trainer/rescue.py); the reference's;
+     correction would reject are rolled out again densely and replaced (trainer/rescue.py); the reference's; with a
+     critic (`critic.enable`, trainer/critic.py) its values;
   4. correct for the sparse/dense sampler mismatch;
-  5. group advantages (trainer/advantages.py);
-  6. the update, after balancing token loads over DP ranks (trainer/balance.py);
+  5. advantages (trainer/advantages.py): a group's, per token, or GAE over the critic's values;
+  6. the update, after balancing token loads over DP ranks (trainer/balance.py), then the critic's on the same batch;
   7. push the new weights to the engine;
   8. log (metrics, logged samples) and checkpoint.
 Steps 3, 4 and 6's loss come from one `LossPath` (trainer/loss_path.py): a separate forward pass before the update,
