@@ -75,6 +75,11 @@ def validate_inputs(cfg: Config, runs_root: str = GRPO_ROOT) -> Inputs:
     check_not_adapter(cfg.model.path)
     model_path = resolve_model_path(cfg.model.path)
     check_weight_files(model_path, cfg.model.allow_pickle_weights)
+    if cfg.critic.enable and cfg.critic.model_path:  # the critic's own start (trainer/critic.py)
+        try:
+            check_weight_files(resolve_model_path(cfg.critic.model_path), cfg.model.allow_pickle_weights)
+        except FileNotFoundError as e:
+            raise UserError(str(e).replace("model.path=", "critic.model_path=", 1)) from None
     if cfg.actor.lora.rank <= 0:  # a LoRA checkpoint holds the adapters only
         t = cfg.trainer
         check_free_disk(output_folder(cfg, runs_root), model_path,
