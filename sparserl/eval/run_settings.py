@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sparserl.config import CONFIG_DIR, SFT_CONFIG_HEADER, Config
+from sparserl.config.schema import DPO_CONFIG_HEADER
 from sparserl.config.checks import check_config
 from sparserl.config.load import leaf_keys
 from sparserl.kv.policy import KVPolicyConfig
@@ -114,8 +115,9 @@ def take_run_settings(cfg: Config, argv: list[str]) -> tuple[Config, list[str]]:
     except (OmegaConfBaseException, ValueError, OSError) as e:
         why = " ".join(str(e).split())
         raise UserError(f"model.path={cfg.model.path}: cannot read the run's config {source}: {why}") from None
-    if source.read_text().startswith(SFT_CONFIG_HEADER):
-        return cfg, [f"eval: {source} is an SFT run's config: it sampled nothing, so eval takes no setting from it "
+    kind = {SFT_CONFIG_HEADER: "an SFT", DPO_CONFIG_HEADER: "a DPO"}.get(source.read_text().split("\n", 1)[0] + "\n")
+    if kind is not None:
+        return cfg, [f"eval: {source} is {kind} run's config: it sampled nothing, so eval takes no setting from it "
                      f"(eval.max_new_tokens={cfg.eval.max_new_tokens}, rollout.kv.algorithm={cfg.rollout.kv.algorithm})"]
     given = command_line_keys(argv)
     taken: dict[str, Any] = {}  # eval's key: the run's value

@@ -60,6 +60,12 @@ def test_a_two_process_dpo_run_with_lora_and_ipo(tiny_checkpoint, tmp_path):
     assert metrics[0]["eval/dpo/margin"] == 0 and abs(metrics[0]["eval/dpo/loss"] - 25.0) < 1e-6
     assert all(math.isfinite(m["dpo/loss"]) for m in metrics[1:]) and metrics[2]["actor/grad_norm"] > 0
     assert (out / "hf" / "adapter_config.json").exists()
+    from sparserl.config.load import load_config
+    from sparserl.eval.run_settings import take_run_settings
+
+    argv = [f"model.path={out / 'hf'}"]  # a DPO run sampled nothing: eval takes no sampling setting from it
+    _, said = take_run_settings(load_config(argv, "eval"), argv)
+    assert len(said) == 1 and "a DPO run's config: it sampled nothing" in said[0], said
 
 
 def test_a_pair_file_without_chosen_and_rejected_stops_with_one_line(tiny_checkpoint, tmp_path):
