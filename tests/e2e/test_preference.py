@@ -6,6 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.launch import command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,3 +81,20 @@ def test_a_pair_file_without_chosen_and_rejected_stops_with_one_line(tiny_checkp
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "row 0" in errors[0] and "'chosen'" in errors[0], res.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_context_parallel_reward_model_step_is_the_one_process_step(tiny_checkpoint, tmp_path):
+    """parallel.cp=2 splits every packed pair over two ranks (ring attention, the score head on the rank holding each
+    sequence's last row): the same loss, gradient norm and held-out scores as one process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0"}
+    got = []
+    for nproc, cp in ((1, 1), (2, 2)):
+        out = tmp_path / f"cp{cp}"
+        args = tiny(tiny_checkpoint, out, "rm", **{"trainer.total_steps": 1, "parallel.cp": cp, "trainer.export_hf": "false"})
+        res = subprocess.run(command(nproc, "-m", "sparserl.trainer.rm", *[f"{k}={v}" for k, v in args.items()]),
+                             env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+        assert res.returncode == 0, res.stderr[-3000:]
+        m = rows(out)
+        got.append([m[1]["rm/loss"], m[1]["actor/grad_norm"], m[0]["eval/rm/margin"], m[1]["eval/rm/margin"]])
+    assert got[1] == pytest.approx(got[0], abs=1e-6), got
