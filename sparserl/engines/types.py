@@ -78,6 +78,10 @@ class Resume:
     token_ids: list[int]
     logp_sparse: list[float]
     compressed_at: list[int] = field(default_factory=list)
+    # The compression budget it was drawn under (`KVStats.kv_budget`): it keeps that budget until it ends, whatever the
+    # engine's is now (`rollout.kv.budget=auto`), so its replayed compactions are the ones it was drawn with. None:
+    # the engine's current budget, on the dense worst-case reservation.
+    kv_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ class KVStats:
     # Number of tokens generated before each compression: token k (0-based) onward was sampled from the
     # compressed cache. Empty for a dense cache and for engines that do not report it.
     compressed_at: list[int] = field(default_factory=list)
+    kv_budget: int | None = None  # the compression budget the sequence ran under (None: dense, or not reported)
 
 
 @dataclass

@@ -55,6 +55,7 @@ class Member:
     sample: Sample
     sample_index: int
     ended: bool = False
+    kv_budget: int | None = None  # the compression budget it is drawn under (kept on resume: engines/native/partial.py)
 
 
 @dataclass
@@ -163,7 +164,7 @@ class PartialRollouts:
                 s = m.sample
                 if old:
                     exempt.add(len(requests))
-                resume = Resume(m.sample_index, s.response_ids, s.logp_sparse, s.compressed_at)
+                resume = Resume(m.sample_index, s.response_ids, s.logp_sparse, s.compressed_at, m.kv_budget)
                 requests.append(GenerationRequest(s.prompt_ids, params.replace(n=1), len(requests),
                                                   seed_index=grp.seed_index, resume=resume))
                 owners.append([m])
@@ -183,6 +184,7 @@ class PartialRollouts:
                     continue
                 gen = by_key[(i, m.sample_index)]
                 _take(m.sample, gen, step)
+                m.kv_budget = gen.kv.kv_budget
                 if gen.finish_reason != "abort":
                     m.ended = True
                     ended.append((m, gen))
@@ -205,11 +207,12 @@ class PartialRollouts:
     # ------------------------------------------------------------------------------------------ saved state
     def state_dict(self) -> list[dict]:
         return [{"state": g.state, "started": g.started, "seed": g.seed, "seed_index": g.seed_index,
-                 "members": [{"sample_index": m.sample_index, "ended": m.ended, "sample": _sample_state(m.sample)}
-                             for m in g.members]} for g in self.groups]
+                 "members": [{"sample_index": m.sample_index, "ended": m.ended, "kv_budget": m.kv_budget,
+                              "sample": _sample_state(m.sample)} for m in g.members]} for g in self.groups]
 
     def load_state_dict(self, groups: list[dict]) -> None:
-        self.groups = [OpenGroup([Member(_sample_of(m["sample"]), int(m["sample_index"]), bool(m["ended"]))
+        self.groups = [OpenGroup([Member(_sample_of(m["sample"]), int(m["sample_index"]), bool(m["ended"]),
+                                         m.get("kv_budget"))
                                   for m in g["members"]], str(g["state"]), int(g["started"]), int(g["seed"]),
                                  int(g["seed_index"])) for g in groups]
 

@@ -101,3 +101,28 @@ def test_bad_resumes_are_refused_before_any_work():
     with pytest.raises(ValueError, match="2 tokens but 1 log-probs"):
         eng.generate([GenerationRequest([1, 2], params, "r", resume=Resume(0, [4, 5], [-1.0]))])
     assert eng.pool.num_used == 0 and eng.stats().new_tokens == 0
+
+
+def test_a_resumed_sample_keeps_the_budget_it_was_drawn_under():
+    """`rollout.kv.budget=auto` lowers the engine's budget between steps (`set_kv_budget`): a carried sample resumes
+    under the budget it was drawn under (its replayed compactions need that schedule's room), new requests take the
+    new one; a resume that brings no budget gets the dense worst case."""
+    kv, params = RKV.with_budget(10), PARAMS.replace(n=1, max_new_tokens=24)
+    eng = engine(kv, eos=())  # no stop token: every sample runs to the cap
+    first = GenerationRequest(PROMPTS[0], params, 0)
+    ref, = eng.generate([first])
+    cut, = eng.generate([first], cutoff=Cutoff(max_tokens=20))
+    assert cut.finish_reason == "abort" and len(cut.kv.compressed_at) >= 2 and cut.kv.kv_budget == 10
+    eng.set_kv_budget(5)
+    resume = lambda budget: Resume(0, cut.token_ids, cut.logp_sparse, cut.kv.compressed_at, budget)  # noqa: E731
+    g, lowered = eng.generate([GenerationRequest(PROMPTS[0], params, 0, resume=resume(10)),
+                               GenerationRequest(PROMPTS[1], params, 1)])
+    # Weights unchanged: the uninterrupted sample, compactions included.
+    assert g.token_ids == ref.token_ids and g.kv.compressed_at == ref.kv.compressed_at and g.kv.kv_budget == 10
+    assert max(abs(a - b) for a, b in zip(g.logp_sparse, ref.logp_sparse)) < LOGP_TOL
+    assert lowered.kv.kv_budget == 5 and lowered.kv.peak_slots < ref.kv.peak_slots  # a new request: the new budget
+    # No budget brought: the current one's schedule on the dense worst case (its first stretch outgrows budget 5's).
+    g, = eng.generate([GenerationRequest(PROMPTS[0], params, 0, resume=resume(None))])
+    assert g.finish_reason == "length" and g.kv.kv_budget == 5 and eng.pool.num_used == 0
+    with pytest.raises(ValueError, match="kv_budget must be a positive int"):
+        eng.generate([GenerationRequest(PROMPTS[0], params, 0, resume=resume(0))])

@@ -3,6 +3,7 @@ weights unchanged a carried sample is the one an uninterrupted (synchronous) rol
 `max_staleness` bounds every token's age; the samples in flight survive a save and load; the correction's ratio over
 a carried sample uses each token's own sampler log-prob."""
 import importlib.util
+import io
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,28 @@ def test_samples_in_flight_resume_from_a_saved_state(tok, tmp_path):
     for key, (s, step) in {**before, **after}.items():
         same(s, whole[key][0])
         assert step == whole[key][1] and s.drawn_at == whole[key][0].drawn_at
+
+
+def test_a_carried_sample_keeps_its_kv_budget_through_a_save_and_a_lowered_budget(tok):
+    often = PARAMS.replace(stop_token_ids=tuple(range(40, 70)))  # some groups end within the first step
+    partial = rollouts(tok, RKV, params=often, finish_frac=0.25, max_tokens=3, max_staleness=3)
+    rows, texts = prompts(0, 4)
+    partial.at(1, 101)(rows, texts, [r.index for r in rows], "test")
+    going = [m for g in partial.groups for m in g.members if not m.ended]
+    assert going and all(m.kv_budget == RKV.budget for m in going)
+    partial.load_state_dict(torch.load(io.BytesIO(_saved(partial.state_dict())), weights_only=True))
+    partial.engine.set_kv_budget(RKV.budget - 8)  # rollout.kv.budget=auto lowered it between the steps
+    carried = []
+    for step in range(2, 5):
+        samples, _ = partial.at(step, 100 + step)([], [], [], "test")
+        carried += [s for s in samples if 1 in s.drawn_at and step in s.drawn_at]
+    assert carried and all(s.kv[0].kv_budget == RKV.budget for s in carried)  # resumed under the budget it was drawn under
+
+
+def _saved(state) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
 
 
 def dense_logprobs(model, sample) -> torch.Tensor:

@@ -64,8 +64,10 @@ class Compressor:
         self._state: dict[int, _SeqState] = {}
         self._newline = NewlineTokens(cfg.divide_method)
 
-    def max_slots(self, prompt_len: int, max_new_tokens: int, floor_len: int | None = None) -> int:
-        return CompressionSchedule.max_slots(self.cfg, prompt_len, max_new_tokens, floor_len)
+    def max_slots(self, prompt_len: int, max_new_tokens: int, floor_len: int | None = None,
+                  cfg: KVPolicyConfig | None = None) -> int:
+        """Worst-case slots under `cfg` (a sequence's own, `Sequence.kv`), by default the compressor's."""
+        return CompressionSchedule.max_slots(cfg or self.cfg, prompt_len, max_new_tokens, floor_len)
 
     def release(self) -> None:
         self.ring.release()
@@ -95,7 +97,7 @@ class Compressor:
         st = self._state.get(seq.seq_id)
         if st is None:
             # A continued session's floor protects only this turn's new tokens (see the module docstring).
-            st = _SeqState(schedule=CompressionSchedule(self.cfg, len(seq.prompt) - seq.reused),
+            st = _SeqState(schedule=CompressionSchedule(seq.kv or self.cfg, len(seq.prompt) - seq.reused),
                            row=self._free_rows.pop())
             if seq.carry is not None:
                 self._resume(st, seq.carry)

@@ -43,7 +43,7 @@ from sparserl.engines.native.decode_cache import resolve_decode_cache
 from sparserl.engines.native.graph_step import resolve_cuda_graphs
 from sparserl.engines.native.prepack import resolve_prepack
 from sparserl.engines.native.options import NativeOptions
-from sparserl.engines.native.partial import CutoffWatch, check_resume, resume_sequence
+from sparserl.engines.native.partial import CutoffWatch, check_resume, resume_plan, resume_sequence
 from sparserl.engines.native.runner import ModelRunner
 from sparserl.engines.native.sampler import Sampler
 from sparserl.engines.native.scheduler import ScheduledBatch, Scheduler
@@ -271,9 +271,12 @@ class NativeEngine:
                     raise ValueError(f"request {req.request_id!r}: session {taken[0]!r} is held, and a continued turn has "
                                      f"n=1 (got n={params.n}); n>1 opens new sessions (id, sample index): end it first")
             held = self.sessions.get(keys[0]) if keys and params.n == 1 else None
+            kv = self.compression.cfg if self.compression is not None else None  # what the sequence compresses under
             if held is not None:
                 check_extends(held.tokens, prompt, keys[0], req.request_id)
                 reserve = self._reserve(len(prompt), params.max_new_tokens, len(held.slots), len(held.tokens))
+            elif req.resume is not None:  # keeps the budget it was drawn under (partial.py)
+                kv, reserve = resume_plan(self.compression, req.resume, len(prompt), params.max_new_tokens)
             else:
                 reserve = self._reserve(len(prompt), params.max_new_tokens)
             if reserve > self.num_slots:
@@ -285,11 +288,11 @@ class NativeEngine:
                     + (" (this is a dense generation, engine.dense(): its worst case is uncompressed)"
                        if self._set_aside is not None else "")
                 )
-            plans.append((req, prompt, keys, held is not None, reserve))
+            plans.append((req, prompt, keys, held is not None, reserve, kv))
         seqs = []
-        for i, (req, prompt, keys, continues, reserve) in enumerate(plans):
+        for i, (req, prompt, keys, continues, reserve, kv) in enumerate(plans):
             for j in range(req.params.n):
-                seq = Sequence(self._next_seq_id, i, j, prompt, req.params, reserve, seed_index=req.seed_index)
+                seq = Sequence(self._next_seq_id, i, j, prompt, req.params, reserve, seed_index=req.seed_index, kv=kv)
                 self._next_seq_id += 1
                 if keys:
                     seq.session, seq.keep = keys[j], req.keep_session
@@ -300,7 +303,7 @@ class NativeEngine:
                     # A re-prefill would compress the earlier turns afresh, not as the held cache was compressed.
                     seq.retractable = self.compression is None
                 if req.resume is not None:
-                    resume_sequence(seq, req.resume, self.compression is not None)
+                    resume_sequence(seq, req.resume, kv is not None)
                 seqs.append(seq)
         return seqs
 

@@ -30,7 +30,8 @@ def to_generation(seq: Sequence, req: GenerationRequest, tokenizer) -> Generatio
     text = tokenizer.decode(seq.output, skip_special_tokens=True) if tokenizer is not None else None
     kv = KVStats(peak_slots=seq.peak_slots, retained_tokens=seq.retained_at_finish, total_tokens=seq.num_tokens - 1,
                  compressions=seq.compressions, compress_s=seq.compress_s, compressed_at=list(seq.compressed_at),
-                 reused_tokens=seq.reused, retractions=seq.retractions)
+                 reused_tokens=seq.reused, retractions=seq.retractions,
+                 kv_budget=seq.kv.budget if seq.kv is not None else None)
     session = seq.session if seq.keep else None
     return Generation(req.request_id, seq.sample_index, seq.prompt, list(seq.output), list(seq.logps),
                       seq.finish_reason, text, kv, session)

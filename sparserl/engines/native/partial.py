@@ -7,6 +7,10 @@ comes back, with its prompt and the tokens it drew as `output`, nothing cached, 
 lengths where it was compacted (`Sequence.replay_ends`), so a compressed cache is compacted again where it was. Its
 draws stay keyed by (its seed, its sample index, the logical position), so with the weights unchanged it draws the
 tokens an uninterrupted call would have; under new weights its re-prefill and recompaction are the new weights'.
+A resumed sample keeps the compression budget it was drawn under (`Resume.kv_budget`) until it ends, for its schedule
+and its worst-case reservation (`resume_plan`): `set_kv_budget` (`rollout.kv.budget=auto`) may have moved the
+engine's since, and its replay points were made on the old budget's schedule, whose stretches the new worst case
+need not hold.
 
 Left out on purpose: keeping a stopped sequence's KV between calls (the caller's weights change in between, and a
 held cache would pin the pool), and sessions (a multi-turn trajectory is not carried).
@@ -16,9 +20,11 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from sparserl.engines.native.compressor import Compressor
 from sparserl.engines.native.scheduler import Scheduler
 from sparserl.engines.native.sequence import Sequence, Status
 from sparserl.engines.types import Cutoff, GenerationRequest, Resume
+from sparserl.kv import KVPolicyConfig
 
 
 def check_resume(req: GenerationRequest) -> None:
@@ -27,9 +33,25 @@ def check_resume(req: GenerationRequest) -> None:
     if len(r.token_ids) != len(r.logp_sparse):
         raise ValueError(f"request {req.request_id!r}: resumed with {len(r.token_ids)} tokens but "
                          f"{len(r.logp_sparse)} log-probs")
+    if r.kv_budget is not None and (isinstance(r.kv_budget, bool) or not isinstance(r.kv_budget, int) or r.kv_budget < 1):
+        raise ValueError(f"request {req.request_id!r}: Resume.kv_budget must be a positive int or None, got {r.kv_budget!r}")
     if len(r.token_ids) >= req.params.max_new_tokens:
         raise ValueError(f"request {req.request_id!r}: resumed with {len(r.token_ids)} tokens, nothing left to draw "
                          f"under max_new_tokens={req.params.max_new_tokens}")
+
+
+def resume_plan(compressor: Compressor | None, resume: Resume, prompt_len: int,
+                max_new_tokens: int) -> tuple[KVPolicyConfig | None, int]:
+    """The compression config a resumed sample runs under (None: dense) and its worst-case slots. It keeps the budget it
+    was drawn under; without one (drawn dense, or by an engine that does not report it) it takes the current budget
+    on the dense worst case, which holds any stretch its re-prefill replays."""
+    dense = prompt_len + max_new_tokens - 1  # the last sampled token is never fed back
+    if compressor is None:
+        return None, dense
+    if resume.kv_budget is None:
+        return compressor.cfg, dense
+    kv = compressor.cfg.with_budget(resume.kv_budget)
+    return kv, min(dense, compressor.max_slots(prompt_len, max_new_tokens, cfg=kv))
 
 
 def resume_sequence(seq: Sequence, resume: Resume, compressing: bool) -> None:

@@ -55,6 +55,7 @@ class Sequence:
     retractions: int = 0
     recomputed: int = 0  # tokens whose K/V a retraction threw away and a re-prefill computed again
     resumed: int = 0  # leading output tokens a resumed request brought (partial.py), drawn by an earlier call
+    kv: Any = None  # the KVPolicyConfig it compresses under (None: dense); a resumed one keeps its budget (partial.py)
     # Per-request generator state lives in the sampler, keyed by seq_id.
 
     @property
