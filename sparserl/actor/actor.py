@@ -62,6 +62,9 @@ class TrainBatch:
     response_mask: torch.Tensor | None = None
     values: torch.Tensor | None = None  # (B, T) a critic's values of the tokens' states before the update (gae)
     returns: torch.Tensor | None = None  # (B, T) the critic's targets (algo/advantages.py gae_returns)
+    # (B, T) partial rollouts: the tokens drawn in this step, the only ones the sampler's statistics read (a carried
+    # token's xi also holds the updates since it was drawn); None: every token
+    fresh_mask: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -17,7 +17,9 @@ the fused path; never the rescue's dense redraws) and gives, once per step over 
   sampler/seqs, sampler/tokens    how many it covers.
 
 The token set is one definition on every path: the model tokens of the responses as rolled out, length-cut ones
-included (`TrainBatch.response_mask`). What it still does not see: samples that get no dense pass. Under dynamic
+included (`TrainBatch.response_mask`), and with partial rollouts only those drawn in this step
+(`TrainBatch.fresh_mask`): a carried token's xi also holds the policy updates since it was drawn, which no KV
+budget changes (its staleness is in `partial/mismatch_kl_age*`). What it still does not see: samples that get no dense pass. Under dynamic
 sampling without the applied correction, groups whose rewards tie are dropped before any dense pass; with it, the
 rounds score only reward-informative groups. Scoring the rest would cost a dense forward over them every round.
 
@@ -81,4 +83,7 @@ class SamplerStats:
         """`add` for a `TrainBatch` and its dense log-probs `logp_old` (B, T); `rows`: only these (an index)."""
         take = (lambda t: t) if rows is None else (lambda t: t[rows])  # noqa: E731
         response = batch.response_mask if batch.response_mask is not None else batch.mask
-        self.add(take(logp_old), take(batch.logp_sparse), take(response), take(batch.mask))
+        trained = batch.mask
+        if batch.fresh_mask is not None:  # partial rollouts: the tokens drawn in this step only
+            response, trained = response * batch.fresh_mask, trained * batch.fresh_mask
+        self.add(take(logp_old), take(batch.logp_sparse), take(response), take(trained))

@@ -2,7 +2,8 @@
 
 The statistic is the tail of the per-token ratio xi = p_dense / p_sparse of the sampled tokens (`logp_old` against
 `logp_sparse`, the trainer has both every step): its 5th percentile over every sampled token the step scored
-densely, all DP ranks together, before dynamic sampling, the correction or the rescue chose what to train on
+densely (with partial rollouts, every one drawn in the step: a carried token's xi also holds the updates since it
+was drawn, which no budget would repair), all DP ranks together, before dynamic sampling, the correction or the rescue chose what to train on
 (`sampler/xi_p05`, algo/sampler_stats.py). Those filters drop or replace exactly the low-xi sequences, so the trained
 batch's tail (`mismatch/xi_p05`) reads higher than the sampler's and would let the budget fall past `target`. A
 compressed sampler that drew tokens the dense policy finds much less likely pulls that tail down; the mean barely

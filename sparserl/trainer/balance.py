@@ -28,7 +28,7 @@ from sparserl.data.packing import balanced_partition, contiguous_minibatches, pr
 
 # The batch's per-token (B, T) fields that travel with a sequence (those that are set).
 PER_TOKEN = ("mask", "logp_old", "logp_sparse", "logp_ref", "weights", "kl_weights", "response_mask", "values",
-             "returns")
+             "returns", "fresh_mask")
 
 
 @dataclass

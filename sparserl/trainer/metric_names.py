@@ -58,7 +58,8 @@ GROUPS: dict[str, str] = {
                 "sampling that is every sample of the step. Under it, each round scores the groups whose rewards "
                 "differ where the correction is applied, and none otherwise (the kept groups are then scored in the "
                 "batch), except with `rollout.kv.budget=auto`: then every group of every round, tied ones included, "
-                "so the budget controller's tail sees every sampled token."),
+                "so the budget controller's tail sees every sampled token. With partial rollouts, only the tokens "
+                "drawn in the step: a carried token's xi also holds the updates since it was drawn (partial/)."),
     "correction": ("The sparsity correction (`algo.correction.*`): token mask, sequence rejection and importance "
                    "weights, over the response tokens (or sequences) of the step on all ranks."),
     "rescue": ("The rescue of rejected samples (`algo.correction.rescue=dense`, docs/correction.md): the sequences the "

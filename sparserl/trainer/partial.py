@@ -96,6 +96,16 @@ def partial_metrics(step: int, samples: list[Sample], batch: TrainBatch, partial
     return out
 
 
+def fresh_mask(step: int, samples: list[Sample], batch: TrainBatch) -> torch.Tensor:
+    """(B, T) 1 on the tokens drawn in `step` (`Sample.drawn_at`), rows as `samples` (before any balancing), in the
+    mask's dtype: `TrainBatch.fresh_mask`, the tokens the sampler's statistics read (algo/sampler_stats.py)."""
+    fresh = torch.zeros(batch.mask.shape, dtype=batch.mask.dtype)
+    for j, s in enumerate(samples):
+        if s.drawn_at:
+            fresh[j, : len(s.drawn_at)] = (torch.tensor(s.drawn_at) == step).to(fresh.dtype)
+    return fresh.to(batch.mask.device)
+
+
 def _drawn_by_row(samples: list[Sample], batch: TrainBatch, dp_group) -> list[list[int]]:
     """Each batch row's `drawn_at`: its own sample's, or, where the update's balancing moved rows between ranks
     (`batch.origin`), the sample's on the rank that rolled it out."""

@@ -39,7 +39,7 @@ from sparserl.trainer.faults import PREEMPTED_EXIT_CODE, Preemption, check_skips
 from sparserl.trainer.loss import loss_config, zero_advantage_no_grad
 from sparserl.trainer.loss_path import LossPath
 from sparserl.trainer.metrics import gather_step_metrics, memory_metrics
-from sparserl.trainer.partial import build_partial, partial_metrics, register as register_partial
+from sparserl.trainer.partial import build_partial, fresh_mask, partial_metrics, register as register_partial
 from sparserl.trainer.preflight import Inputs
 from sparserl.trainer.rescue import Redraw, Rescue, rescue_seed
 from sparserl.trainer.samples import SampleLog
@@ -192,6 +192,8 @@ class Trainer:
         # 3: logp_old, the dense log-probs of the sampled tokens under the same weights (a separate pass, or nothing
         # yet: then the update's own forward supplies them), and the reference's.
         batch = to_train_batch(samples, self.info.device, cfg.algo.overlong.mask, step_rollout.logp_old)
+        if self.carry is not None:  # sampler/* (the KV budget's tail) reads only the tokens drawn in this step
+            batch.fresh_mask = fresh_mask(step, samples, batch)
         with reuse_heap():  # the actor's compute: tensors up to 32 MiB reuse heap pages (utils/memory.py)
             self.loss_path.compute(batch, timers("old_logprobs"))  # the phase's timer, entered by a separate pass only
         # algo.correction.rescue=dense: the sequences the correction rejects, rolled out again densely in their places.
