@@ -2,10 +2,11 @@
 call, saving the samples in flight with a checkpoint, and the step's `partial/*` metrics.
 
 Saved with the run: every replica owner's open groups (their tokens, per-token sampler log-probs, the steps that drew
-them, the ended members' rewards) are gathered into `trainer_state.pt` under "partial"; on resume each owner takes a
-share of them (the i-th saved group goes to data-parallel rank i mod dp), so a resumed run goes on with the samples
-it had in flight, drawn on with the same keyed streams (docs/decisions.md). The KV of a carried sample is never
-saved: it is re-prefilled at every step anyway.
+them, the ended members' rewards) are gathered into `trainer_state.pt` under "partial", one list per data-parallel
+rank with the number of ranks (`by_dp_rank`); on resume with as many ranks each owner takes its own list back, so the
+run goes on as the uninterrupted one, drawn on with the same keyed streams; with another number the groups are dealt
+anew (the i-th goes to rank i mod dp) and the run continues, not identically (`deal`, docs/decisions.md). The KV of a
+carried sample is never saved: it is re-prefilled at every step anyway.
 
 Metrics (over all data-parallel ranks): the share of the trained samples that were carried, the samples in flight
 after the step, and for each age a (steps between the weights that drew a token and the step that trains on it) the
@@ -13,6 +14,8 @@ share of the trained model tokens of that age and their mismatch, mean logp_spar
 `mismatch/kl` split by age.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +26,7 @@ from sparserl.rollout.episode import Sample
 from sparserl.rollout.partial import PartialRollouts, PartialSettings
 from sparserl.trainer.saved_state import SavedState
 from sparserl.utils.errors import UserError
+from sparserl.utils.logging import log0
 
 KEY = "partial"
 
@@ -48,18 +52,46 @@ def register(saved: SavedState, partial: PartialRollouts | None, dp_rank: int, d
     if partial is None:
         return
 
-    def save() -> list[dict]:
-        mine = partial.state_dict()
+    def save() -> dict:
+        mine = (dp_rank, owner, partial.state_dict())
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            return mine
-        everyone: list[list[dict]] = [None] * dist.get_world_size()
+            return by_dp_rank([mine], dp_size)
+        everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-        return [g for part in everyone for g in part]
+        return by_dp_rank(everyone, dp_size)
 
-    def load(groups: list[dict]) -> None:
-        partial.load_state_dict(list(groups)[dp_rank::dp_size] if owner else [])
+    def load(state) -> None:
+        groups, note = deal(state, dp_rank, dp_size)
+        if note:
+            log0(note)
+        partial.load_state_dict(groups if owner else [])
 
     saved.register(KEY, save, load, default=[])
+
+
+def by_dp_rank(gathered: list[tuple[int, bool, list[dict]]], dp_size: int) -> dict:
+    """The saved piece from every rank's (data-parallel rank, replica owner, open groups): the owners' groups, one
+    list per data-parallel rank, and the number of ranks."""
+    ranks: list[list[dict]] = [[] for _ in range(dp_size)]
+    for dp_rank, owner, groups in gathered:
+        if owner:
+            ranks[dp_rank] = list(groups)
+    return {"dp_size": dp_size, "ranks": ranks}
+
+
+def deal(state: dict | list, dp_rank: int, dp_size: int) -> tuple[list[dict], str]:
+    """This data-parallel rank's open groups from the saved piece, and a line to log ("" when none): its own list
+    when the run saved with `dp_size` ranks; otherwise (or a flat list, as saved before the per-rank lists) every
+    group dealt anew, the i-th to rank i mod dp_size."""
+    if isinstance(state, dict) and int(state["dp_size"]) == dp_size:
+        return list(state["ranks"][dp_rank]), ""
+    flat = [g for part in state["ranks"] for g in part] if isinstance(state, dict) else list(state)
+    if not flat or (dp_size == 1 and not isinstance(state, dict)):  # one rank before and after: nothing moved
+        return flat, ""
+    saved = f"{int(state['dp_size'])} data-parallel ranks" if isinstance(state, dict) else "one flat list"
+    return flat[dp_rank::dp_size], (
+        f"partial rollouts: the {len(flat)} groups in flight were saved with {saved} and are dealt anew to "
+        f"{dp_size}: the run continues with them, but not as the uninterrupted run would have")
 
 
 def partial_metrics(step: int, samples: list[Sample], batch: TrainBatch, partial: PartialRollouts, dp_group,

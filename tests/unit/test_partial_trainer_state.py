@@ -1,5 +1,6 @@
 """The trainer's side of partial rollouts (sparserl/trainer/partial.py), without processes: the sampler's statistics
-(what `rollout.kv.budget=auto` steers by) read only the tokens drawn in the step."""
+(what `rollout.kv.budget=auto` steers by) read only the tokens drawn in the step; the samples in flight are saved per
+data-parallel rank and each rank gets its own back (the gathering and the dealing as pure functions)."""
 import math
 
 import torch
@@ -7,7 +8,7 @@ import torch
 from sparserl.algo.correction_config import CorrectionConfig
 from sparserl.algo.sampler_stats import SamplerStats
 from sparserl.rollout.episode import Sample
-from sparserl.trainer.partial import fresh_mask
+from sparserl.trainer.partial import by_dp_rank, deal, fresh_mask
 from sparserl.trainer.train_batch import to_train_batch
 
 STEP, T = 5, 20
@@ -51,3 +52,25 @@ def test_the_sampler_tail_reads_only_the_tokens_drawn_in_the_step():
     # The fused path feeds the update's rows (an index into the batch) the same way.
     part = stats(logp_old, batch, torch.tensor([1, 3]))
     assert part["sampler/tokens"] == T + 8 and part["sampler/xi_p05"] > 0.85
+
+
+def groups(tag: str, count: int) -> list[dict]:
+    return [{"state": f"{tag}{i}", "started": 1, "seed": 7, "seed_index": i, "members": []} for i in range(count)]
+
+
+def test_each_data_parallel_rank_gets_its_own_groups_back():
+    # What every rank of a dp=2 x tp=2 run gathers: (dp rank, replica owner, open groups); tp peers hold none.
+    gathered = [(0, True, groups("a", 3)), (0, False, []), (1, True, groups("b", 1)), (1, False, [])]
+    state = by_dp_rank(gathered, 2)
+    assert state == {"dp_size": 2, "ranks": [groups("a", 3), groups("b", 1)]}
+    assert deal(state, 0, 2) == (groups("a", 3), "") and deal(state, 1, 2) == (groups("b", 1), "")
+    # Another number of ranks: every group dealt anew, one line saying the run is not the uninterrupted one.
+    one, note = deal(state, 0, 1)
+    assert one == groups("a", 3) + groups("b", 1) and "4 groups" in note and "not as the uninterrupted run" in note
+    dealt = [deal(state, r, 3)[0] for r in range(3)]
+    assert sorted(g["state"] for part in dealt for g in part) == ["a0", "a1", "a2", "b0"]
+    assert [len(part) for part in dealt] == [2, 1, 1]
+    assert deal(by_dp_rank([(0, True, [])], 1), 0, 4) == ([], "")  # nothing in flight: nothing to say
+    # A flat list (saved before the per-rank lists): dealt anew, quietly on one rank.
+    assert deal(groups("a", 3), 0, 1) == (groups("a", 3), "")
+    assert deal(groups("a", 3), 1, 2)[0] == groups("a", 3)[1::2] and deal(groups("a", 3), 1, 2)[1]
