@@ -26,9 +26,11 @@ from sparserl.algo.correction import dist_reduce_sum
 from sparserl.algo.value_loss import value_loss, value_stats
 from sparserl.config import Config
 from sparserl.trainer.saved_state import SavedState
+from sparserl.utils.errors import UserError
 from sparserl.utils.memory import reuse_heap
 
 CHECKPOINT_KEY = "critic"  # its shards' prefix in a checkpoint (actor/checkpoint.py `extra`)
+SCHEDULER_KEY = "critic_scheduler"  # its LR schedule in the trainer state
 
 
 def build_critic(cfg: Config, model_path: str, mesh, device) -> Critic:
@@ -90,4 +92,11 @@ class CriticStep:
 
     def register(self, saved: SavedState) -> None:
         if self.critic is not None:
-            saved.add("critic_scheduler", self.critic.scheduler)
+            saved.add(SCHEDULER_KEY, self.critic.scheduler)
+
+    def refuse_dropping(self, state: dict, path) -> None:
+        """A checkpoint with a critic resumed with `critic.enable=false` would drop the trained critic silently (the
+        actor's advantages change estimator): a UserError instead."""
+        if self.critic is None and SCHEDULER_KEY in state:
+            raise UserError(f"trainer.resume={path}: the checkpoint holds a trained critic, which critic.enable=false "
+                            "would drop; resume with critic.enable=true (and its algo.adv_estimator), or start a new run")

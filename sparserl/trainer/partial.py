@@ -69,6 +69,20 @@ def register(saved: SavedState, partial: PartialRollouts | None, dp_rank: int, d
     saved.register(KEY, save, load, default=[])
 
 
+def refuse_dropping(state: dict, path, partial: PartialRollouts | None) -> None:
+    """A checkpoint with samples in flight resumed with `rollout.partial.enable=false` would drop them silently: a
+    UserError instead (the run that saved them finishes them: resume it with partial rollouts on)."""
+    saved = state.get(KEY)
+    if partial is not None or not saved:
+        return
+    flat = [g for part in saved["ranks"] for g in part] if isinstance(saved, dict) else list(saved)
+    going = sum(not m["ended"] for g in flat for m in g["members"])
+    if going:
+        raise UserError(f"trainer.resume={path}: the checkpoint holds {going} samples in flight (partial rollouts), "
+                        "which rollout.partial.enable=false would drop; resume with rollout.partial.enable=true to "
+                        "finish them, or start a new run")
+
+
 def by_dp_rank(gathered: list[tuple[int, bool, list[dict]]], dp_size: int) -> dict:
     """The saved piece from every rank's (data-parallel rank, replica owner, open groups): the owners' groups, one
     list per data-parallel rank, and the number of ranks."""

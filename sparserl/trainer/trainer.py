@@ -39,7 +39,8 @@ from sparserl.trainer.faults import PREEMPTED_EXIT_CODE, Preemption, check_skips
 from sparserl.trainer.loss import loss_config, zero_advantage_no_grad
 from sparserl.trainer.loss_path import LossPath
 from sparserl.trainer.metrics import gather_step_metrics, memory_metrics
-from sparserl.trainer.partial import build_partial, fresh_mask, partial_metrics, register as register_partial
+from sparserl.trainer.partial import (build_partial, fresh_mask, partial_metrics, refuse_dropping,
+                                      register as register_partial)
 from sparserl.trainer.preflight import Inputs
 from sparserl.trainer.rescue import Redraw, Rescue, rescue_seed
 from sparserl.trainer.samples import SampleLog
@@ -145,8 +146,10 @@ class Trainer:
         path = checkpoint.resolve_resume(self.cfg.trainer.resume, self.cfg.trainer.output_dir)
         if path is None:
             return
-        self.saved.load_state_dict(checkpoint.load(path, self.actor.model, self.actor.optimizer,
-                                                   self.critic.checkpointed()), path)
+        state = checkpoint.load(path, self.actor.model, self.actor.optimizer, self.critic.checkpointed())
+        refuse_dropping(state, path, self.carry)  # samples in flight, a trained critic: never dropped silently
+        self.critic.refuse_dropping(state, path)
+        self.saved.load_state_dict(state, path)
         now = self.info.world_size
         log0(f"resumed from {path} at step {self.start}" +
              (f" (saved with {self.saved_world} processes, now {now})" if self.saved_world != now else ""))
