@@ -19,15 +19,26 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from sparserl.config.checks import RULES
 from sparserl.config.fields import show
 from sparserl.config.load import load_config
 from sparserl.config.schema import CONFIG_DIR, Config, base_configs, to_yaml
-from sparserl.utils.errors import UserError
+from sparserl.utils.errors import UserError, run_main
 
 KEY_WIDTH = 44  # "  key = value" is padded to this many characters before the description
+
+
+def run_entry(train: Callable[[Config], None], argv: list[str] | None = None) -> None:
+    """A trainer's `main`: the config from `argv` (default the process's own arguments), then `train(cfg)`, unless
+    `--help` or `--cfg job` was answered; user errors end as one line (`utils.errors.run_main`)."""
+    def run() -> None:
+        cfg = parse_cli(sys.argv[1:] if argv is None else argv, "grpo")
+        if cfg is not None:
+            train(cfg)
+
+    run_main(run)
 
 
 def parse_cli(argv: list[str], config_name: str = "grpo") -> Config | None:

@@ -17,24 +17,18 @@ log-probs across runs (a resumed run recomputes them).
 """
 from __future__ import annotations
 
-import sys
 
 import torch
 
 from sparserl.actor.actor import Actor
 from sparserl.actor.export import export_final
-from sparserl.actor.hf import load_tokenizer, resolve_model_path
 from sparserl.actor.reward import PairActor
 from sparserl.algo.preference import dpo_loss
-from sparserl.cli import parse_cli
+from sparserl.cli import run_entry
 from sparserl.config import Config
 from sparserl.config.schema import DPO_CONFIG_HEADER
-from sparserl.parallel import teardown
 from sparserl.trainer import pairs as P
-from sparserl.trainer.build import start_processes
 from sparserl.trainer.supervised import actor_options
-from sparserl.utils.errors import run_main
-from sparserl.utils.seed import set_seed
 
 DPO_ROOT = "outputs/dpo"
 METRICS = ("dpo/loss", "dpo/accuracy", "dpo/margin", "dpo/chosen_reward", "dpo/rejected_reward", "dpo/chosen_logp",
@@ -116,32 +110,12 @@ class DPOObjective:
 
 
 def train(cfg: Config) -> None:
-    P.preflight(cfg, DPO_ROOT)
-    train_path, eval_path = P.pair_paths(cfg, cfg.dpo)
-    records = P.read_pairs(train_path, "data.train_path", cfg.data.prompt_key)  # user errors surface here, before anything is written
-    held_records = P.read_pairs(eval_path, "dpo.eval_path", cfg.data.prompt_key) if eval_path else []
-    model_path = resolve_model_path(cfg.model.path)
-    set_seed(cfg.trainer.seed)
-    info, dims, mesh = start_processes(cfg, DPO_ROOT)
-    tokenizer = load_tokenizer(model_path)
-    train_pairs = P.tokenize_pairs(cfg, records, f"data.train_path={train_path}", tokenizer, cfg.dpo.max_length, eos=True)
-    held_out = P.tokenize_pairs(cfg, held_records, f"dpo.eval_path={eval_path}", tokenizer, cfg.dpo.max_length,
-                                eos=True) if held_records else []
-    if cfg.dpo.eval_limit:
-        held_out = held_out[: cfg.dpo.eval_limit]
-    objective = DPOObjective(cfg, model_path, mesh, info.device)
-    P.run(cfg, "dpo", cfg.dpo, objective, train_pairs, held_out, tokenizer, info, dims, mesh, DPO_CONFIG_HEADER,
-          ("dpo/loss", "dpo/accuracy", "dpo/margin"))
-    teardown()
+    P.train_pairs(cfg, "dpo", DPO_ROOT, DPO_CONFIG_HEADER, DPOObjective, eos=True,
+                  console=("dpo/loss", "dpo/accuracy", "dpo/margin"))
 
 
 def main(argv: list[str] | None = None) -> None:
-    def run() -> None:
-        cfg = parse_cli(sys.argv[1:] if argv is None else argv, "grpo")
-        if cfg is not None:  # None: --help or --cfg job was answered
-            train(cfg)
-
-    run_main(run)
+    run_entry(train, argv)
 
 
 if __name__ == "__main__":

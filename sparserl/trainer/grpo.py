@@ -25,11 +25,9 @@ is imported: torch alone takes seconds to import, and a bad key, value, file or 
 """
 from __future__ import annotations
 
-import sys
 
-from sparserl.cli import parse_cli
+from sparserl.cli import run_entry
 from sparserl.config import Config
-from sparserl.utils.errors import run_main
 
 
 def train(cfg: Config) -> None:
@@ -42,12 +40,7 @@ def train(cfg: Config) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    def run() -> None:
-        cfg = parse_cli(sys.argv[1:] if argv is None else argv, "grpo")
-        if cfg is not None:  # None: --help or --cfg job was answered
-            train(cfg)
-
-    run_main(run)
+    run_entry(train, argv)
 
 
 if __name__ == "__main__":

@@ -201,6 +201,35 @@ def save(cfg: Config, actor, step: int, run_id: str, rank: int) -> None:
     log0(f"saved {path}")
 
 
+def train_pairs(cfg: Config, name: str, root: str, header: str, make_objective, eos: bool,
+                console: tuple[str, ...]) -> None:
+    """A pair trainer's whole run (`name`: "rm" or "dpo", its config section): the pairs read and checked before
+    anything is written, the processes, the tokenized pairs, `make_objective(cfg, model_path, mesh, device)`, the
+    loop."""
+    from sparserl.actor.hf import load_tokenizer, resolve_model_path
+    from sparserl.parallel import teardown
+    from sparserl.trainer.build import start_processes
+    from sparserl.utils.seed import set_seed
+
+    section = getattr(cfg, name)
+    preflight(cfg, root)
+    train_path, eval_path = pair_paths(cfg, section)
+    records = read_pairs(train_path, "data.train_path", cfg.data.prompt_key)  # user errors surface here, before anything is written
+    held_records = read_pairs(eval_path, f"{name}.eval_path", cfg.data.prompt_key) if eval_path else []
+    model_path = resolve_model_path(cfg.model.path)
+    set_seed(cfg.trainer.seed)
+    info, dims, mesh = start_processes(cfg, root)
+    tokenizer = load_tokenizer(model_path)
+    train = tokenize_pairs(cfg, records, f"data.train_path={train_path}", tokenizer, section.max_length, eos=eos)
+    held_out = tokenize_pairs(cfg, held_records, f"{name}.eval_path={eval_path}", tokenizer, section.max_length,
+                              eos=eos) if held_records else []
+    if section.eval_limit:
+        held_out = held_out[: section.eval_limit]
+    objective = make_objective(cfg, model_path, mesh, info.device)
+    run(cfg, name, section, objective, train, held_out, tokenizer, info, dims, mesh, header, console)
+    teardown()
+
+
 def preflight(cfg: Config, root: str) -> None:
     if cfg.trainer.total_steps < 1:
         raise UserError(f"trainer.total_steps={cfg.trainer.total_steps} must be >= 1")

@@ -15,22 +15,17 @@ regularization terms (centering the scores).
 """
 from __future__ import annotations
 
-import sys
 
 import torch
 
-from sparserl.actor.hf import load_tokenizer, resolve_model_path
 from sparserl.actor.reward import RewardModel, export_reward_model
 from sparserl.algo.preference import bradley_terry
-from sparserl.cli import parse_cli
+from sparserl.cli import run_entry
 from sparserl.config import Config
 from sparserl.config.schema import RM_CONFIG_HEADER
-from sparserl.parallel import teardown
 from sparserl.trainer import pairs as P
-from sparserl.trainer.build import start_processes
 from sparserl.trainer.supervised import actor_options
-from sparserl.utils.errors import UserError, run_main
-from sparserl.utils.seed import set_seed
+from sparserl.utils.errors import UserError
 
 RM_ROOT = "outputs/rm"
 METRICS = ("rm/loss", "rm/accuracy", "rm/margin", "rm/chosen_score", "rm/rejected_score")
@@ -77,35 +72,15 @@ class RewardObjective:
 
 
 def train(cfg: Config) -> None:
-    P.preflight(cfg, RM_ROOT)
     if cfg.parallel.tp > 1:
         raise UserError(f"parallel.tp={cfg.parallel.tp}: the reward model's score head is not tensor-parallel; use "
                         "parallel.tp=1 (data and context parallelism work)")
-    train_path, eval_path = P.pair_paths(cfg, cfg.rm)
-    records = P.read_pairs(train_path, "data.train_path", cfg.data.prompt_key)  # user errors surface here, before anything is written
-    held_records = P.read_pairs(eval_path, "rm.eval_path", cfg.data.prompt_key) if eval_path else []
-    model_path = resolve_model_path(cfg.model.path)
-    set_seed(cfg.trainer.seed)
-    info, dims, mesh = start_processes(cfg, RM_ROOT)
-    tokenizer = load_tokenizer(model_path)
-    train_pairs = P.tokenize_pairs(cfg, records, f"data.train_path={train_path}", tokenizer, cfg.rm.max_length, eos=False)
-    held_out = P.tokenize_pairs(cfg, held_records, f"rm.eval_path={eval_path}", tokenizer, cfg.rm.max_length,
-                                eos=False) if held_records else []
-    if cfg.rm.eval_limit:
-        held_out = held_out[: cfg.rm.eval_limit]
-    objective = RewardObjective(cfg, model_path, mesh, info.device)
-    P.run(cfg, "rm", cfg.rm, objective, train_pairs, held_out, tokenizer, info, dims, mesh, RM_CONFIG_HEADER,
-          ("rm/loss", "rm/accuracy", "rm/margin"))
-    teardown()
+    P.train_pairs(cfg, "rm", RM_ROOT, RM_CONFIG_HEADER, RewardObjective, eos=False,
+                  console=("rm/loss", "rm/accuracy", "rm/margin"))
 
 
 def main(argv: list[str] | None = None) -> None:
-    def run() -> None:
-        cfg = parse_cli(sys.argv[1:] if argv is None else argv, "grpo")
-        if cfg is not None:  # None: --help or --cfg job was answered
-            train(cfg)
-
-    run_main(run)
+    run_entry(train, argv)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ Left out on purpose: evaluation, checkpoints and resume (a warm-start is short; 
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 from sparserl.actor.actor import Actor, Normalizer, TrainBatch
 from sparserl.actor.export import export_final
 from sparserl.actor.hf import load_tokenizer, resolve_model_path
-from sparserl.cli import parse_cli
+from sparserl.cli import run_entry
 from sparserl.config import SFT_CONFIG_HEADER, Config
 from sparserl.data.dataset import PromptRow, format_prompt
 from sparserl.parallel import all_reduce_sum, teardown
@@ -43,7 +42,7 @@ from sparserl.trainer.preflight import check_output
 from sparserl.trainer.run_dir import SFT_ROOT
 from sparserl.trainer.supervised import actor_options, batches, open_run, read_jsonl, share
 from sparserl.utils.envload import load_env
-from sparserl.utils.errors import UserError, run_main
+from sparserl.utils.errors import UserError
 from sparserl.utils.memory import reuse_heap
 from sparserl.utils.logging import log0, progress
 from sparserl.utils.seed import set_seed
@@ -187,12 +186,7 @@ def train_step(actor: Actor, batch: TrainBatch) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    def run() -> None:
-        cfg = parse_cli(sys.argv[1:] if argv is None else argv, "grpo")
-        if cfg is not None:  # None: --help or --cfg job was answered
-            train(cfg)
-
-    run_main(run)
+    run_entry(train, argv)
 
 
 if __name__ == "__main__":
