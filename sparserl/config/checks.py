@@ -37,7 +37,8 @@ FREE = ("model.path", "model.activation_checkpointing", "model.allow_pickle_weig
         "actor.balance_ranks", "actor.fuse_old_logprobs", "actor.share_prompts", "actor.skip_zero_advantage", "algo.correction.enable", "algo.correction.is_batch_normalize",
         "algo.correction.apply_to_kl", "algo.correction.rejected_in_baseline",
         "actor.lora.export_merged", "algo.dynamic_sampling.enable", "algo.overlong.mask", "trainer.export_hf", "trainer.overwrite", "eval.datasets",
-        "eval.data_dir", "eval.output_dir", "logger.progress", "logger.wandb.name")
+        "eval.data_dir", "eval.output_dir", "logger.progress", "logger.wandb.name", "critic.enable", "critic.model_path",
+        "rollout.partial.enable", "rm.eval_path", "dpo.eval_path")
 
 
 def groups(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
