@@ -19,7 +19,6 @@ model (its lengths would be its own, not the env's).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import tempfile
 import time
@@ -31,18 +30,12 @@ from sparserl.data.dataset import PromptRow
 from sparserl.engines.native.engine import NativeEngine
 from sparserl.engines.types import SamplingParams
 from sparserl.rollout.partial import PartialRollouts, PartialSettings
+from sparserl.utils.envload import load_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_env():
-    spec = importlib.util.spec_from_file_location("long_tail", ROOT / "envs" / "long_tail.py")
-    env = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(env)
-    return env
-
-
-ENV = load_env()
+ENV = load_env(str(ROOT / "envs" / "long_tail.py")).module
 
 
 def byte_tokenizer(folder: Path):

@@ -2,7 +2,6 @@
 weights unchanged a carried sample is the one an uninterrupted (synchronous) rollout draws, dense and compressed;
 `max_staleness` bounds every token's age; the samples in flight survive a save and load; the correction's ratio over
 a carried sample uses each token's own sampler log-prob."""
-import importlib.util
 import io
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from sparserl.engines.types import SamplingParams
 from sparserl.kv import KVPolicyConfig
 from sparserl.rollout.partial import PartialRollouts, PartialSettings
 from sparserl.trainer.train_batch import to_train_batch
+from sparserl.utils.envload import load_env
 from tests.conftest import byte_tokenizer_dir, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,14 +26,7 @@ PARAMS = SamplingParams(temperature=1.0, max_new_tokens=16, n=2, stop_token_ids=
 LOGP_TOL = 1e-5  # a re-prefilled cache moves later log-probs by float32 ulps (test_partial_engine.py)
 
 
-def load_env():
-    spec = importlib.util.spec_from_file_location("long_tail", ROOT / "envs" / "long_tail.py")
-    env = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(env)
-    return env
-
-
-ENV = load_env()
+ENV = load_env(str(ROOT / "envs" / "long_tail.py")).module
 
 
 @pytest.fixture(scope="module")
