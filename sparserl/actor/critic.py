@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from sparserl.actor.actor import Actor, LossFn, TrainBatch
-from sparserl.actor.logprobs import PackedSeqs, _cp_forward, _layout, _no_mask, host_to_device, unflatten
+from sparserl.actor.logprobs import PackedSeqs, _layout, unflatten
 from sparserl.actor.parallelize import EXTRA_PLAN
+from sparserl.actor.reward import head_rows
 from sparserl.algo.value_loss import SUMMED
-from sparserl.model.attention import ATTN_NAME, ForwardContext, forward_context, use_packed_attention
+from sparserl.model.attention import ATTN_NAME, use_packed_attention
 
 HEAD = "value_head"  # the head's attribute on the model, and its parameters' names in the checkpoint
 TP_PLAN = {HEAD: "replicate"}  # added to the model family's tensor-parallel plan (actor/parallelize.py EXTRA_PLAN)
@@ -77,18 +78,7 @@ def packed_values(model: torch.nn.Module, seqs: PackedSeqs, device: torch.device
     is the actor's (`logprobs._layout`); with `cp` each rank computes its zigzag share and the values are gathered."""
     if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
         use_packed_attention(model)
-    flat, pos, keep, targets, spans = _layout(seqs, share_prompts)
-    head = getattr(model, HEAD)
-    if cp is not None and cp.size > 1:
-        rows, _ = _cp_forward(model, flat, pos, keep, targets, spans, device, cp, hold_context, (head,),
-                              make_head=ValueHead)
-    else:
-        value_head = ValueHead(None, head)
-        with contextlib.ExitStack() as local:
-            (hold_context or local).enter_context(forward_context(ForwardContext(spans=spans, head=value_head)))
-            model(input_ids=host_to_device([flat], device), position_ids=host_to_device([pos], device),
-                  attention_mask=_no_mask(device), use_cache=False, logits_to_keep=host_to_device(keep, device))
-        rows = value_head.logp
+    rows = head_rows(model, _layout(seqs, share_prompts), device, cp, hold_context, getattr(model, HEAD), ValueHead)
     return unflatten(rows, seqs.resp_lens)
 
 

@@ -71,6 +71,22 @@ class ScoreHead:
         return self.logp.detach().view(*hidden.shape[:-1], 1)
 
 
+
+def head_rows(model, layout, device, cp, hold_context, weight, make_head) -> torch.Tensor:
+    """The packed forward of `layout` (`_layout`'s five parts) with the LM head replaced by `make_head(None,
+    weight)` (a scalar head: the score or the value), context-parallel when `cp` spans ranks; the head's rows."""
+    flat, pos, keep, targets, spans = layout
+    if cp is not None and cp.size > 1:
+        rows, _ = _cp_forward(model, flat, pos, keep, targets, spans, device, cp, hold_context, (weight,),
+                              make_head=make_head)
+        return rows
+    head = make_head(None, weight)
+    with contextlib.ExitStack() as local:
+        (hold_context or local).enter_context(forward_context(ForwardContext(spans=spans, head=head)))
+        model(input_ids=host_to_device([flat], device), position_ids=host_to_device([pos], device),
+              attention_mask=_no_mask(device), use_cache=False, logits_to_keep=host_to_device(keep, device))
+    return head.logp
+
 def packed_scores(model: torch.nn.Module, seqs: PackedSeqs, device: torch.device,
                   hold_context: contextlib.ExitStack | None = None, cp=None) -> torch.Tensor:
     """(b, 1) scores of the last token of each sequence of one packed micro-batch (prompts shared, as for log-probs).
@@ -83,17 +99,7 @@ def packed_scores(model: torch.nn.Module, seqs: PackedSeqs, device: torch.device
         use_packed_attention(model)
     padded = PackedSeqs([ids + [0] for ids in seqs.ids], seqs.prompt_lens)
     flat, pos, keep, targets, spans = _layout(padded, share_prompts=True)
-    score = getattr(model, SCORE)
-    if cp is not None and cp.size > 1:
-        rows, _ = _cp_forward(model, flat, pos, keep, targets, spans, device, cp, hold_context, (score,),
-                              make_head=ScoreHead)
-    else:
-        head = ScoreHead(None, score)
-        with contextlib.ExitStack() as local:
-            (hold_context or local).enter_context(forward_context(ForwardContext(spans=spans, head=head)))
-            model(input_ids=host_to_device([flat], device), position_ids=host_to_device([pos], device),
-                  attention_mask=_no_mask(device), use_cache=False, logits_to_keep=host_to_device(keep, device))
-        rows = head.logp
+    rows = head_rows(model, (flat, pos, keep, targets, spans), device, cp, hold_context, getattr(model, SCORE), ScoreHead)
     lens = padded.resp_lens
     per_seq = unflatten(rows, lens)  # (b, max resp + 1)
     last = host_to_device([n - 1 for n in lens], device)
