@@ -13,8 +13,11 @@ context parallelism are the actor's. Its forward replaces the LM head's computat
 as the log-prob head does) by the score of each sequence's last token: the row that predicts the token after it.
 `export_reward_model` writes `<Arch>ForSequenceClassification` (num_labels=1): the decoder's weights (adapters
 merged) and `score.weight`; Hugging Face's own class then scores the last non-padding token, the same number.
-Left out on purpose: tensor parallelism for the head (a reward model with parallel.tp > 1 is refused), and
-reading a score head back from `model.path` (a run starts from a causal LM; its head from the seed).
+With tensor parallelism the head is replicated over tp (`TP_PLAN`): every rank scores from the replicated last
+hidden state, as the critic's value head does. `RewardModel(head_path=...)` reads the head back from an export
+(`score.weight` of its safetensors): the learned reward of the RL trainer (trainer/learned_reward.py).
+Left out on purpose: training on from an exported head (`sparserl.trainer.rm` starts from a causal LM; its head
+from the seed).
 """
 from __future__ import annotations
 
@@ -24,12 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from sparserl.actor.actor import Actor, TrainBatch
+from sparserl.actor.parallelize import EXTRA_PLAN
 from sparserl.actor.logprobs import (PackedSeqs, _cp_forward, _layout, _no_mask, host_to_device, install_logprob_head,
                                      unflatten)
 from sparserl.data.packing import split_microbatches
 from sparserl.model.attention import ATTN_NAME, ForwardContext, forward_context, use_packed_attention
 
 SCORE = "score"  # the head's attribute on the model, and its name in the exported checkpoint (`score.weight`)
+TP_PLAN = {SCORE: "replicate"}  # added to the model family's tensor-parallel plan (actor/parallelize.py EXTRA_PLAN)
 
 
 class PairPlanning:
@@ -53,6 +58,36 @@ def add_score_head(model: torch.nn.Module, seed: int) -> None:
         with torch.no_grad():
             head.weight.copy_(torch.randn(1, hidden, generator=gen, dtype=torch.float32) * std)
     setattr(model, SCORE, head)
+    setattr(model, EXTRA_PLAN, TP_PLAN)
+
+
+def exported_score(path: str) -> torch.Tensor:
+    """`score.weight` (1, hidden) of a reward-model export's safetensors files (a ValueError naming the folder if
+    none holds it)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    name = f"{SCORE}.weight"
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    raise ValueError(f"{path}: no {name} in its safetensors files; a reward model is exported by sparserl.trainer.rm")
+
+
+def load_score_head(model: torch.nn.Module, path: str) -> None:
+    """`model.score` from the export at `path` (nothing to copy on the meta device: rank 0's values arrive later)."""
+    add_score_head(model, seed=0)
+    head = getattr(model, SCORE)
+    if head.weight.device.type == "meta":
+        return
+    weight = exported_score(path)
+    if weight.shape != head.weight.shape:
+        raise ValueError(f"{path}: {SCORE}.weight has shape {tuple(weight.shape)}, the model's hidden size wants "
+                         f"{tuple(head.weight.shape)}")
+    with torch.no_grad():
+        head.weight.copy_(weight.to(head.weight.dtype))
 
 
 class ScoreHead:
@@ -110,12 +145,16 @@ class PairActor(PairPlanning, Actor):
     """The policy of DPO: the actor, micro-batched by pair."""
 
 
-class RewardModel(PairPlanning, Actor):
-    """The actor with a score head: `_forward` returns (b, 1) scores where the actor returns log-probs, so the
-    actor's micro-batching, gradient accumulation and optimizer step train it unchanged."""
+class ScoreForward:
+    """An `Actor` whose `_forward` returns (b, 1) scores where the actor returns log-probs (mix in before `Actor`), so
+    the actor's micro-batching, gradient accumulation and optimizer step train it unchanged.
 
-    def __init__(self, *args, seed: int = 0, **kwargs) -> None:
-        super().__init__(*args, seed=seed, extend=lambda m: add_score_head(m, seed), **kwargs)
+    `head_path`: an export whose score head is read (the model path itself: a frozen scorer); None: the head drawn
+    from `seed` (a reward model to train)."""
+
+    def __init__(self, *args, seed: int = 0, head_path: str | None = None, **kwargs) -> None:
+        extend = (lambda m: load_score_head(m, head_path)) if head_path else (lambda m: add_score_head(m, seed))
+        super().__init__(*args, seed=seed, extend=extend, **kwargs)
 
     def _forward(self, batch: TrainBatch, mb: list[int], with_entropy: bool, hold_context=None):
         seqs = PackedSeqs([[0, 0]], [1]) if not mb else PackedSeqs([batch.ids[i] for i in mb],
@@ -128,6 +167,14 @@ class RewardModel(PairPlanning, Actor):
         empty batch (whose rank still joins the other ranks' forwards)."""
         out = self.logprobs(batch)
         return out[:, 0] if out is not None else None
+
+
+class RewardModel(PairPlanning, ScoreForward, Actor):
+    """The reward model that `sparserl.trainer.rm` trains: micro-batched by pair."""
+
+
+class RewardScorer(ScoreForward, Actor):
+    """A frozen reward model scoring single sequences, micro-batched as the actor's (trainer/learned_reward.py)."""
 
 
 def export_reward_model(cfg, model: RewardModel, tokenizer, rank: int) -> None:

@@ -38,7 +38,8 @@ FREE = ("model.path", "model.activation_checkpointing", "model.allow_pickle_weig
         "algo.correction.apply_to_kl", "algo.correction.rejected_in_baseline",
         "actor.lora.export_merged", "algo.dynamic_sampling.enable", "algo.overlong.mask", "trainer.export_hf", "trainer.overwrite", "eval.datasets",
         "eval.data_dir", "eval.output_dir", "logger.progress", "logger.wandb.name", "critic.enable", "critic.model_path",
-        "rollout.partial.enable", "rm.eval_path", "dpo.eval_path")
+        "rollout.partial.enable", "rm.eval_path", "dpo.eval_path",
+        "env.reward_model.path")
 
 
 def groups(node: Any, prefix: str = "") -> list[tuple[str, Any]]:

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 from sparserl.algo.correction_config import CorrectionConfig
 from sparserl.config.critic import CriticConfig
 from sparserl.config.partial import PartialConfig
+from sparserl.config.reward_model import RewardModelConfig
 from sparserl.config.fields import (COUNT, NON_EMPTY, NON_NEG, PROB, ConfigError, Rule, above, each, opt, or_null,
                                     show, within)
 from sparserl.utils.kv_memory import KV_DTYPES, SYNTAX, is_kv_memory, parse_kv_memory
@@ -103,6 +104,8 @@ class EnvConfig:
     max_concurrency: int = opt(256, "env calls in flight at once per process", rule=COUNT)
     openreward: OpenRewardConfig = opt(OpenRewardConfig, "OpenReward environments (tool use, multi-turn); when envs "
                                                          "is set, they replace env.path and data.train_path.")
+    reward_model: RewardModelConfig = opt(RewardModelConfig, "a learned reward: a reward model's score replaces or "
+                                                             "is added to the env's reward (docs/rm.md)")
 
 
 @dataclass

@@ -45,6 +45,9 @@ GROUPS: dict[str, str] = {
            "all ranks; eval/rm/ the same on the held-out pairs."),
     "dpo": ("The DPO / IPO update (python -m sparserl.trainer.dpo, docs/dpo.md): means over the step's pairs on all "
             "ranks; rewards are beta (logp - logp_ref) of a response; eval/dpo/ the same on the held-out pairs."),
+    "reward_model": ("The learned reward (`env.reward_model.path`, docs/rm.md): the reward model's scores of the step's "
+                     "scored samples (not ended by an error, timeout or abort), over all data-parallel ranks; reward/ "
+                     "is then the reward the advantages read."),
     "critic": ("The critic's update (`critic.enable=true`, `algo.adv_estimator=gae`): means over the step's optimizer "
                "steps and all ranks; the value statistics over the loss tokens of all ranks, with the values GAE read."),
     "mismatch": ("How far the sampler's log-probs (logp_sparse) are from the trainer's dense recompute (logp_old) on "
@@ -90,6 +93,7 @@ PHASES: dict[str, str] = {
               "steps where the correction rejects some)",
     "ref_logprobs": "the reference model's log-probs (`algo.kl.coef > 0`)",
     "update": "rank balancing and the optimizer steps",
+    "reward_model": "the reward model's no-grad scoring of the samples, the engine asleep (`env.reward_model.path`)",
     "critic_values": "the critic's no-grad pass for the values GAE reads (`critic.enable=true`)",
     "critic_update": "the critic's optimizer steps, after the actor's (`critic.enable=true`)",
     "weight_sync": "pushing the new weights into the rollout engine",
@@ -110,6 +114,7 @@ RESCUE = "`algo.correction.rescue=dense`"
 DYNAMIC = "`algo.dynamic_sampling.enable=true`"
 PARTIAL = "`rollout.partial.enable=true`"
 CRITIC = "`critic.enable=true`"
+LEARNED = "`env.reward_model.path` set"
 
 METRICS: tuple[Metric, ...] = (
     Metric("step", "The training step, from 1; the evaluation before training has a row of its own with step 0",
@@ -181,6 +186,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("actor/skipped_steps", "Optimizer steps skipped for a non-finite loss or gradient norm"),
     Metric("actor/lr", "Learning rate after the step's optimizer steps", SFT),
     Metric("actor/target_prob", "Mean probability of the target tokens before the step (a smooth token accuracy)", "SFT only"),
+    # reward_model/
+    Metric("reward_model/score_mean", "Mean reward-model score of the step's scored samples", LEARNED),
+    Metric("reward_model/score_std", "Standard deviation of those scores", LEARNED),
+    Metric("reward_model/env_reward_mean", "Mean env reward of the same samples, before the score replaced it or was "
+           "added to it (`env.reward_model.mode`)", LEARNED),
     # critic/
     Metric("critic/value_loss", "The value loss: 0.5 x squared error of the values to their targets (the GAE returns), "
            "the larger of the clipped and unclipped errors (`critic.clip`), aggregated as `algo.loss_agg`", CRITIC),

@@ -80,6 +80,10 @@ def validate_inputs(cfg: Config, runs_root: str = GRPO_ROOT) -> Inputs:
             check_weight_files(resolve_model_path(cfg.critic.model_path), cfg.model.allow_pickle_weights)
         except FileNotFoundError as e:
             raise UserError(str(e).replace("model.path=", "critic.model_path=", 1)) from None
+    if cfg.env.reward_model.path:  # a reward-model export (trainer/learned_reward.py)
+        from sparserl.trainer.learned_reward import check_export
+
+        check_export(cfg.env.reward_model.path)
     if cfg.actor.lora.rank <= 0:  # a LoRA checkpoint holds the adapters only
         t = cfg.trainer
         check_free_disk(output_folder(cfg, runs_root), model_path,

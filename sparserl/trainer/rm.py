@@ -10,7 +10,7 @@ from `rm.eval_path`; the loop, checkpoints and resume are trainer/pairs.py's; th
 `output_dir/hf`, loads with `AutoModelForSequenceClassification` (adapters merged).
 Metrics: rm/loss, rm/accuracy (pairs whose chosen score is strictly higher), rm/margin (mean r_c - r_r),
 rm/chosen_score, rm/rejected_score; `eval/rm/` the same on the held-out pairs.
-Left out on purpose: tensor parallelism (refused; the head is not in the TP plans), and margin or
+Tensor parallelism replicates the score head over tp (actor/reward.py). Left out on purpose: margin or
 regularization terms (centering the scores).
 """
 from __future__ import annotations
@@ -25,7 +25,6 @@ from sparserl.config import Config
 from sparserl.config.schema import RM_CONFIG_HEADER
 from sparserl.trainer import pairs as P
 from sparserl.trainer.supervised import actor_options
-from sparserl.utils.errors import UserError
 
 RM_ROOT = "outputs/rm"
 METRICS = ("rm/loss", "rm/accuracy", "rm/margin", "rm/chosen_score", "rm/rejected_score")
@@ -72,9 +71,6 @@ class RewardObjective:
 
 
 def train(cfg: Config) -> None:
-    if cfg.parallel.tp > 1:
-        raise UserError(f"parallel.tp={cfg.parallel.tp}: the reward model's score head is not tensor-parallel; use "
-                        "parallel.tp=1 (data and context parallelism work)")
     P.train_pairs(cfg, "rm", RM_ROOT, RM_CONFIG_HEADER, RewardObjective, eos=False,
                   console=("rm/loss", "rm/accuracy", "rm/margin"))
 

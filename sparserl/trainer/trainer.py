@@ -37,6 +37,7 @@ from sparserl.trainer.build import (build_actor, build_reference, load_tokenizer
 from sparserl.trainer.dynamic_sampling import DynamicSampling, Round, StepRollout, round_seed
 from sparserl.trainer.faults import PREEMPTED_EXIT_CODE, Preemption, check_skips, injected_nan
 from sparserl.trainer.loss import loss_config, zero_advantage_no_grad
+from sparserl.trainer.learned_reward import build_learned_reward
 from sparserl.trainer.loss_path import LossPath
 from sparserl.trainer.metrics import gather_step_metrics, memory_metrics
 from sparserl.trainer.partial import (build_partial, fresh_mask, partial_metrics, refuse_dropping,
@@ -73,6 +74,8 @@ class Trainer:
         self.actor = build_actor(cfg, inputs.model_path, self.mesh, self.info.device)
         self.ref = build_reference(cfg, self.actor, inputs.model_path, self.mesh, self.info.device) if cfg.algo.kl.coef else None
         self.critic = CriticStep(cfg, inputs.model_path, self.mesh, self.info.device)  # critic.enable (trainer/critic.py)
+        # env.reward_model.path: a frozen reward model scoring every sample (trainer/learned_reward.py)
+        self.learned = build_learned_reward(cfg, self.tokenizer, self.mesh, self.info.device)
         self._build_engine(inputs.model_path, replica)
         self.step = self.start = 0  # the last step done, and the step the run goes on from (a resumed one's)
         self.saved = self._saved_state()
@@ -244,6 +247,8 @@ class Trainer:
                        | actor_metrics)
         metrics.update(self.sampled.metrics(dist_reduce_sum(actor.dp_group), self.info.device))
         metrics.update(memory_metrics(self.info.device, actor.dp_group))
+        if self.learned is not None:
+            metrics.update(self.learned.metrics())
         if self.carry is not None:  # carried share, tokens and mismatch by age (after the update: logp_old is set)
             metrics.update(partial_metrics(step, samples, batch, self.carry, actor.dp_group, self.info.device))
         # The next step's KV budget before the evaluation: it evaluates the updated weights at the budget a checkpoint
@@ -256,7 +261,8 @@ class Trainer:
         """One rollout round of `step`: the replica group's owner runs the engine and the env loop, its peers receive
         its samples, rollout metrics and engine stats, so the group trains on one batch whatever the env does per
         process."""
-        if round_ > 1 and self.dynamic.scores_rounds:  # the last round's dense pass put the engine to sleep
+        # the last round's dense pass or the reward model's scoring put the engine to sleep
+        if round_ > 1 and (self.dynamic.scores_rounds or self.learned is not None):
             self.engine.wake_again(self.timers("weight_sync"))
         self.draws[round_] = draw
 
@@ -271,7 +277,17 @@ class Trainer:
             return samples, metrics, engine.stats()
 
         with self.timers("rollout"):
-            return Round(*self.engine.on_owner(run))
+            done = Round(*self.engine.on_owner(run))
+        self._learned_reward(done.samples)
+        return done
+
+    def _learned_reward(self, samples: list[Sample]) -> None:
+        """env.reward_model.path: the samples' rewards from the reward model, scored with the engine asleep."""
+        if self.learned is None:
+            return
+        self.engine.sleep()
+        with self.timers("reward_model"), reuse_heap():
+            self.learned.apply(samples)
 
     def redraw(self, step: int, redraws: list[Redraw]) -> list[Sample]:
         """The rescue's re-roll: each rejected sample's prompt once more, through the env loop, generated densely
@@ -290,6 +306,7 @@ class Trainer:
 
         new = self.engine.on_owner(run)
         self.engine.sleep()
+        self._learned_reward(new)
         return new
 
     def dense_logprobs(self, batch: TrainBatch):

@@ -84,17 +84,19 @@ def test_a_pair_file_without_chosen_and_rejected_stops_with_one_line(tiny_checkp
 
 
 @pytest.mark.slow
-def test_a_context_parallel_reward_model_step_is_the_one_process_step(tiny_checkpoint, tmp_path):
+def test_context_and_tensor_parallel_reward_model_steps_are_the_one_process_step(tiny_checkpoint, tmp_path):
     """parallel.cp=2 splits every packed pair over two ranks (ring attention, the score head on the rank holding each
-    sequence's last row): the same loss, gradient norm and held-out scores as one process."""
+    sequence's last row); parallel.tp=2 splits the decoder and replicates the score head: the same loss, gradient
+    norm and held-out scores as one process."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0"}
-    got = []
-    for nproc, cp in ((1, 1), (2, 2)):
-        out = tmp_path / f"cp{cp}"
-        args = tiny(tiny_checkpoint, out, "rm", **{"trainer.total_steps": 1, "parallel.cp": cp, "trainer.export_hf": "false"})
+    got = {}
+    for name, nproc, extra in (("one", 1, {}), ("cp2", 2, {"parallel.cp": 2}), ("tp2", 2, {"parallel.tp": 2})):
+        out = tmp_path / name
+        args = tiny(tiny_checkpoint, out, "rm", **{"trainer.total_steps": 1, "trainer.export_hf": "false", **extra})
         res = subprocess.run(command(nproc, "-m", "sparserl.trainer.rm", *[f"{k}={v}" for k, v in args.items()]),
                              env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
         assert res.returncode == 0, res.stderr[-3000:]
         m = rows(out)
-        got.append([m[1]["rm/loss"], m[1]["actor/grad_norm"], m[0]["eval/rm/margin"], m[1]["eval/rm/margin"]])
-    assert got[1] == pytest.approx(got[0], abs=1e-6), got
+        got[name] = [m[1]["rm/loss"], m[1]["actor/grad_norm"], m[0]["eval/rm/margin"], m[1]["eval/rm/margin"]]
+    assert got["cp2"] == pytest.approx(got["one"], abs=1e-6), got
+    assert got["tp2"] == pytest.approx(got["one"], abs=1e-5), got

@@ -60,6 +60,8 @@ CASES = [
     ("model_path_missing", ["model.path={data}/no_model"], "model.path={data}/no_model"),
     ("env_not_python", ["env.path=/etc/passwd"], "env.path=/etc/passwd"),
     ("env_missing", ["env.path={data}/nope.py"], "env.path="),
+    ("reward_model_not_a_model", ["env.reward_model.path={data}"], "env.reward_model.path={data}: not a model folder"),
+    ("reward_model_causal_lm", ["env.reward_model.path={ckpt}"], "labels, not a reward model"),
     ("output_dir_proc", ["trainer.output_dir=/proc/nope"], "trainer.output_dir=/proc/nope: cannot create a folder in /proc"),
     ("output_dir_is_file", ["trainer.output_dir={data}/ok.jsonl"], "trainer.output_dir={data}/ok.jsonl: a file is there"),
     ("output_dir_under_file", ["trainer.output_dir={data}/ok.jsonl/run"], "ok.jsonl is a file"),
@@ -275,6 +277,8 @@ CASES = [
     ("rollout.partial.finish_frac", ["rollout.partial.finish_frac=2"], "rollout.partial.finish_frac=2.0: must be in (0, 1]"),
     ("rollout.partial.max_staleness", ["rollout.partial.max_staleness=-1"], "rollout.partial.max_staleness=-1: must be >= 0"),
     ("rollout.partial.max_tokens", ["rollout.partial.max_tokens=-1"], "rollout.partial.max_tokens=-1: must be >= 0"),
+    ("env.reward_model.mode", ["env.reward_model.mode=mul"], "env.reward_model.mode=mul: must be one of replace, add"),
+    ("env.reward_model.coef", ["env.reward_model.coef=0"], "env.reward_model.coef=0.0: must be > 0"),
 ]
 OK_CASES = {  # exit 0: (overrides, what stdout must contain)
     "help": (["--help"], "actor.lr = 5e-06"),
