@@ -5,7 +5,13 @@ flattened dp x cp mesh FSDP2 shards over, when cp > 1) and the gloo side groups 
 data-parallel rank's cp x tp ranks hands its rollouts to the others (`ReplicaGroup`). `init_distributed`
 works under torchrun (any number of nodes) and as a plain `python` process (a world of one), picking gloo on
 CPU and nccl on CUDA. Context parallelism (cp) splits each packed micro-batch along the sequence
-(actor/context_parallel.py, docs/context_parallel.md). Left out on purpose: pipeline and expert parallelism.
+(actor/context_parallel.py, docs/context_parallel.md).
+Hybrid sharding (`dp_replicate` > 1, RL2's `ddp_size`): the dp ranks form dp_replicate replicas of dp_shard =
+dp / dp_replicate ranks each. The mesh is then ("dp_replicate", "dp_shard", "cp", "tp"), row-major, so a replica
+is consecutive ranks (one node, where a node holds a replica); "dp" is the flattened replicas x shards (the data
+axis every other part reads) and FSDP2 gets the 2-D ("dp_replicate", "dp_shard" [x cp]) mesh: parameters are
+sharded within a replica and replicated across replicas, so the gradient's reduce-scatter stays inside a replica
+and only the sharded gradients are all-reduced across them. Left out on purpose: pipeline and expert parallelism.
 """
 from __future__ import annotations
 
@@ -24,14 +30,19 @@ class ParallelDims:
     dp: int
     tp: int = 1
     cp: int = 1  # context parallel: ranks that split one packed row along the sequence (inside dp, outside tp)
+    dp_replicate: int = 1  # hybrid sharding: replicas of the sharded model among the dp ranks (dividing dp)
 
     @classmethod
-    def from_world(cls, world_size: int, tp: int, cp: int = 1) -> "ParallelDims":
+    def from_world(cls, world_size: int, tp: int, cp: int = 1, dp_replicate: int = 1) -> "ParallelDims":
         if tp < 1 or world_size % tp:
             raise UserError(f"parallel.tp={tp} must divide the world size {world_size}")
         if cp < 1 or world_size % (tp * cp):
             raise UserError(f"parallel.cp={cp} x parallel.tp={tp} must divide the world size {world_size}")
-        return cls(dp=world_size // (tp * cp), tp=tp, cp=cp)
+        dp = world_size // (tp * cp)
+        if dp_replicate < 1 or dp % dp_replicate:
+            raise UserError(f"parallel.dp_replicate={dp_replicate} must divide the data-parallel size {dp} (world size "
+                            f"{world_size} / (tp {tp} x cp {cp}))")
+        return cls(dp=dp, tp=tp, cp=cp, dp_replicate=dp_replicate)
 
     def validate_model(self, config) -> None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -44,6 +55,13 @@ class ParallelDims:
         `tp` consecutive ranks. With cp > 1 it also holds "dp_cp", the flattened dp x cp mesh FSDP2 shards over."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self.dp_replicate > 1:  # hybrid sharding: see the module docstring
+            shape = (self.dp_replicate, self.dp // self.dp_replicate, self.cp, self.tp)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+            mesh["dp_replicate", "dp_shard"]._flatten("dp")
+            if self.cp > 1:
+                mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            return mesh
         mesh = init_device_mesh(device_type, (self.dp, self.cp, self.tp), mesh_dim_names=("dp", "cp", "tp"))
         if self.cp > 1:
             mesh["dp", "cp"]._flatten("dp_cp")
@@ -72,8 +90,12 @@ def cp_size(mesh) -> int:
 
 def fsdp_mesh(mesh):
     """The mesh FSDP2 shards parameters over: dp, or the flattened dp x cp when cp > 1 (the cp ranks of a DP rank
-    hold the same parameters and each computes a part of the same micro-batch's gradient)."""
-    return mesh["dp_cp"] if cp_size(mesh) > 1 else mesh["dp"]
+    hold the same parameters and each computes a part of the same micro-batch's gradient); with hybrid sharding
+    the 2-D (dp_replicate, dp_shard [x cp]) mesh, on which FSDP2 replicates over the first axis."""
+    cp = cp_size(mesh) > 1
+    if "dp_replicate" in (mesh.mesh_dim_names or ()):
+        return mesh["dp_replicate", "dp_shard_cp" if cp else "dp_shard"]
+    return mesh["dp_cp"] if cp else mesh["dp"]
 
 
 # A peer waits in `ReplicaGroup.from_owner` for as long as the owner's rollout takes, which can be hours; a crashed

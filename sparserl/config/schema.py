@@ -324,6 +324,9 @@ class ParallelConfig:
     tp: int = opt(1, "tensor-parallel size; data-parallel size = world size / (tp x cp)", rule=COUNT)
     cp: int = opt(1, "context-parallel size: ranks that split each packed micro-batch along the sequence "
                      "(ring attention, docs/context_parallel.md)", rule=COUNT)
+    dp_replicate: int = opt(1, "hybrid sharding: the data-parallel ranks form this many replicas of the model, each "
+                               "sharded (FSDP2) over dp / dp_replicate ranks; 1: one shard group over all dp ranks",
+                            rule=COUNT)
     backend: str = opt("auto", "auto | gloo | nccl", choices=("auto", "gloo", "nccl"))
     device: str = opt("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
 

@@ -69,7 +69,7 @@ def run(cfg: Config, argv: list[str] | None = None) -> None:
     model = resolve_eval_model(cfg.model.path)
     check_engine(cfg)
     info = init_distributed(cfg.parallel.device, cfg.parallel.backend)
-    dims = ParallelDims.from_world(info.world_size, cfg.parallel.tp, cfg.parallel.cp)
+    dims = ParallelDims.from_world(info.world_size, cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.dp_replicate)
     resolve_precision(cfg, info.device)
     dp = dims.build_mesh(info.device.type)["dp"]
     replica_group = dims.replica_group(info.rank)  # with tp or cp > 1 its owner evaluates for its peers

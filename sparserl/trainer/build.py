@@ -155,13 +155,15 @@ def start_processes(cfg: Config, runs_root: str = GRPO_ROOT) -> tuple[DistInfo, 
     """The process group and the mesh; then the run's folder (`trainer.output_dir` set to it on every rank,
     trainer/run_dir.py) and, when resuming, the checkpoint's settings."""
     info = init_distributed(cfg.parallel.device, cfg.parallel.backend)
-    dims = ParallelDims.from_world(info.world_size, cfg.parallel.tp, cfg.parallel.cp)
+    dims = ParallelDims.from_world(info.world_size, cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.dp_replicate)
     if cfg.trainer.prompts_per_step % dims.dp:
         raise UserError(f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} must be divisible by the data-parallel size {dims.dp}")
     resolve_output(cfg, info.rank, info.world_size, runs_root)
     apply_saved_settings(cfg)  # trainer.resume: settings that cannot change are checked, `auto` precision restored
     resolve_precision(cfg, info.device)
-    log0(f"processes: {info.world_size} on {info.device.type} ({info.backend}); dp {dims.dp} x tp {dims.tp} x cp {dims.cp}")
+    hybrid = f" ({dims.dp_replicate} replicas x {dims.dp // dims.dp_replicate} shards)" if dims.dp_replicate > 1 else ""
+    log0(f"processes: {info.world_size} on {info.device.type} ({info.backend}); dp {dims.dp}{hybrid} x tp {dims.tp} x "
+         f"cp {dims.cp}")
     return info, dims, dims.build_mesh(info.device.type)
 
 

@@ -101,6 +101,10 @@ def check_world(cfg: Config, world_size: int | None = None) -> None:
         raise UserError(f"parallel.tp={tp} must divide the world size {world}")
     if world % (tp * cp):
         raise UserError(f"parallel.cp={cp} x parallel.tp={tp} must divide the world size {world}")
+    rep, dp = cfg.parallel.dp_replicate, world // (tp * cp)
+    if dp % rep:
+        raise UserError(f"parallel.dp_replicate={rep} must divide the data-parallel size {dp} (world size {world} / "
+                        f"(tp {tp} x cp {cp}))")
 
 
 def check_lora(cfg: Config) -> None:

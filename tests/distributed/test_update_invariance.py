@@ -43,3 +43,19 @@ def test_update_invariance(tiny_checkpoint, tmp_path):
                 diff = (got["grads"][name] - g).norm() / g.norm().clamp(min=1e-12)
                 assert diff < 1e-6 or (got["grads"][name] - g).abs().max() < 1e-9, (agg, other, name, float(diff))
             assert any(g.abs().sum() > 0 for g in ref["grads"].values())
+
+
+def test_hybrid_sharding_update_equals_one_shard_group(tiny_checkpoint, tmp_path):
+    """parallel.dp_replicate=2 on 4 processes (2 replicas x 2 shards: FSDP2 on a 2-D mesh, replicated over the
+    first axis) gives the loss and gradients of dp=4 in one shard group, to 1e-5 (fp32, gloo)."""
+    run(tiny_checkpoint, tmp_path / "dp4", 10_000, 4)
+    run(tiny_checkpoint, tmp_path / "hsdp", 10_000, 4, "hsdp")
+    for agg in ("token", "sequence"):
+        ref, got = torch.load(tmp_path / f"dp4.{agg}.pt"), torch.load(tmp_path / f"hsdp.{agg}.pt")
+        assert ref["layout"] == {"placements": ["S(0)"], "mesh": ["dp"]}, ref["layout"]
+        assert got["layout"] == {"placements": ["R", "S(0)"], "mesh": ["dp_replicate", "dp_shard"]}, \
+            got["layout"]
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        for name, g in ref["grads"].items():
+            assert (got["grads"][name] - g).abs().max() <= 1e-5 * g.abs().max().clamp(min=1e-12), (agg, name)
+        assert any(g.abs().sum() > 0 for g in ref["grads"].values())

@@ -1,8 +1,9 @@
 """Run one update's forward/backward on a fixed batch and save loss + full gradients (used by the tests).
 
-    torchrun --nproc_per_node=N tests/distributed/update_worker.py CKPT OUT MAX_TOKENS [ac|balance]
+    torchrun --nproc_per_node=N tests/distributed/update_worker.py CKPT OUT MAX_TOKENS [ac|balance|hsdp]
 Every rank takes its contiguous share of the same 8 sequences. With `balance` (2 ranks), rank 0 starts with
-6 of them and rank 1 with 2, and `balance_ranks` evens out the token loads before the update.
+6 of them and rank 1 with 2, and `balance_ranks` evens out the token loads before the update. With `hsdp` the dp
+ranks form 2 replicas (`parallel.dp_replicate=2`); the worker also records a parameter's placements and mesh.
 """
 import sys
 
@@ -44,7 +45,7 @@ def main() -> None:
     mode = sys.argv[4] if len(sys.argv) > 4 else ""
     checkpointing = mode == "ac"
     info = init_distributed("cpu")
-    mesh = ParallelDims.from_world(info.world_size, 1).build_mesh("cpu")
+    mesh = ParallelDims.from_world(info.world_size, 1, dp_replicate=2 if mode == "hsdp" else 1).build_mesh("cpu")
     actor = Actor(ckpt, mesh, info.device, dtype="float32", compute_dtype="float32", max_tokens_per_device=max_tokens,
                   activation_checkpointing=checkpointing)
     batch = fixed_batch(info.rank, info.world_size, skewed=mode == "balance")
@@ -62,10 +63,13 @@ def main() -> None:
         loss = torch.tensor([metrics["actor/loss"]], dtype=torch.float64)
         dist.all_reduce(loss)
         grads = {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
+        first = next(actor.model.parameters())
+        layout = {"placements": [str(x) for x in first.placements], "mesh": list(first.device_mesh.mesh_dim_names)}
         actor.optimizer.zero_grad(set_to_none=True)
         n_mb = len(actor._microbatches(batch, list(range(len(batch)))))  # a collective: every rank calls it
         if info.rank == 0:
-            torch.save({"loss": float(loss), "grads": grads, "microbatches": n_mb, "balance": balance}, f"{out}.{agg}.pt")
+            torch.save({"loss": float(loss), "grads": grads, "microbatches": n_mb, "balance": balance, "layout": layout},
+                       f"{out}.{agg}.pt")
     teardown()
 
 

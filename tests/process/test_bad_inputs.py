@@ -60,6 +60,7 @@ CASES = [
     ("model_path_missing", ["model.path={data}/no_model"], "model.path={data}/no_model"),
     ("env_not_python", ["env.path=/etc/passwd"], "env.path=/etc/passwd"),
     ("env_missing", ["env.path={data}/nope.py"], "env.path="),
+    ("dp_replicate_not_dividing", ["parallel.dp_replicate=2"], "parallel.dp_replicate=2 must divide the data-parallel size 1"),
     ("reward_model_not_a_model", ["env.reward_model.path={data}"], "env.reward_model.path={data}: not a model folder"),
     ("reward_model_causal_lm", ["env.reward_model.path={ckpt}"], "labels, not a reward model"),
     ("output_dir_proc", ["trainer.output_dir=/proc/nope"], "trainer.output_dir=/proc/nope: cannot create a folder in /proc"),
@@ -277,6 +278,7 @@ CASES = [
     ("rollout.partial.finish_frac", ["rollout.partial.finish_frac=2"], "rollout.partial.finish_frac=2.0: must be in (0, 1]"),
     ("rollout.partial.max_staleness", ["rollout.partial.max_staleness=-1"], "rollout.partial.max_staleness=-1: must be >= 0"),
     ("rollout.partial.max_tokens", ["rollout.partial.max_tokens=-1"], "rollout.partial.max_tokens=-1: must be >= 0"),
+    ("parallel.dp_replicate", ["parallel.dp_replicate=0"], "parallel.dp_replicate=0: must be >= 1"),
     ("env.reward_model.mode", ["env.reward_model.mode=mul"], "env.reward_model.mode=mul: must be one of replace, add"),
     ("env.reward_model.coef", ["env.reward_model.coef=0"], "env.reward_model.coef=0.0: must be > 0"),
 ]
