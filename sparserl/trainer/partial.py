@@ -42,7 +42,8 @@ def build_partial(cfg, engine, tokenizer, env, params, rank: int, max_total_toke
                         "a sample; use rollout.engine=native")
     try:
         return PartialRollouts(engine, tokenizer, env, params, PartialSettings(p.finish_frac, p.max_tokens, p.max_staleness),
-                               rank, cfg.logger.progress, max_total_tokens, cfg.env.step_timeout_s, cfg.env.max_concurrency)
+                               rank, cfg.logger.progress, max_total_tokens, cfg.env.step_timeout_s, cfg.env.max_concurrency,
+                               max_turns=cfg.env.max_turns)
     except ValueError as e:
         raise UserError(f"{e} (env.path={cfg.env.path})") from None
 

@@ -175,3 +175,73 @@ def test_the_correction_ratio_over_a_carried_sample_uses_each_tokens_sampler(tok
     assert (behaviour[:first] - drew[:first]).abs().max() < 1e-4
     assert log_xi[0, :first].abs().max() > 1e-3
     assert log_xi[0, first:].abs().max() < 1e-4
+
+
+MULTI_TURN_ENV = '''
+max_turns = 3
+
+
+async def step(state, action, extra_info):
+    # a reply after every turn; the episode ends early where the action's length is a multiple of 3
+    return {"next_state": state + action + "\\nnext:", "reward": float(len(action) % 2), "done": len(action) % 3 == 0,
+            "extra_info": extra_info}
+'''
+
+
+@pytest.mark.parametrize("kv", [None, RKV], ids=["dense", "rkv"])
+def test_multi_turn_episodes_carried_between_and_inside_turns_are_the_synchronous_ones(tok, kv, tmp_path):
+    """A 3-turn env: episodes cut inside a turn and between turns, carried over steps with unchanged weights, end with
+    the tokens, masks, rewards and turns of an uninterrupted loop on the same prompts and seeds. Dense, that is the
+    synchronous env loop (rollout/worker.py), whose engine sessions keep each trajectory's KV between turns where the
+    carried loop re-prefills the history: the same tokens. Compressed, a held compressed cache is not the
+    re-prefilled one (the history's KV is compressed differently), so the reference is the loop that carries
+    nothing (`max_staleness=0`), which re-prefills every turn as well."""
+    from sparserl.rollout.worker import rollout
+
+    path = tmp_path / "multi_turn.py"
+    path.write_text(MULTI_TURN_ENV)
+    env = load_env(str(path)).module
+    model = tiny_model("llama", vocab=len(tok))
+    params = PARAMS.replace(stop_token_ids=tuple(range(40, 70)))  # turns that end before the cap, to go on
+    plan = {1: (0, 4), 2: (4, 4)}
+
+    def partial(**settings):
+        return PartialRollouts(NativeEngine(model, tok, num_slots=4096, kv=kv), tok, env, params,
+                               PartialSettings(**settings), show_progress=False)
+
+    if kv is None:
+        sync = {}
+        for step, (first, count) in plan.items():
+            rows, texts = prompts(first, count)
+            samples, _ = rollout(NativeEngine(model, tok, num_slots=4096), tok, env, rows, texts,
+                                 params.replace(seed=100 + step), None, None, [r.index for r in rows])
+            sync.update({(s.extra_info["index"], i % params.n): s for i, s in enumerate(samples)})
+    else:
+        sync = {k: s for k, (s, _) in run(partial(max_staleness=0), 2, plan).items()}
+    carried = partial(finish_frac=0.5, max_tokens=3, max_staleness=5)
+    got = run(carried, 8, plan)
+    assert carried.in_flight == 0 and set(got) == set(sync) and len(got) == 16
+    assert sum(s.num_turns > 1 for s, _ in got.values()) >= 4  # episodes with several turns
+    assert sum(len(set(s.drawn_at)) > 1 and s.num_turns > 1 for s, _ in got.values()) >= 2  # carried multi-turn ones
+    for key, (s, _) in got.items():
+        ref = sync[key]
+        assert s.response_ids == ref.response_ids and s.loss_mask == ref.loss_mask, key
+        assert (s.reward, s.num_turns, s.turn_lens, s.status, s.compressed_at) == \
+            (ref.reward, ref.num_turns, ref.turn_lens, ref.status, ref.compressed_at), key
+        assert max(abs(x - y) for x, y in zip(s.logp_sparse, ref.logp_sparse)) < LOGP_TOL
+        assert len(s.drawn_at) == len(s.response_ids)
+    if kv is not None:
+        assert sum(bool(s.compressed_at) for s, _ in got.values()) >= 4  # the caches were compressed
+    # the episodes in flight after step 2 (env states, turn starts) through a save and load into a new loop
+    first = partial(finish_frac=0.5, max_tokens=3, max_staleness=5)
+    done = run(first, 2, plan)
+    assert any(m.turn_start > 0 for g in first.groups for m in g.members if not m.ended)  # mid-episode
+    second = partial(finish_frac=0.5, max_tokens=3, max_staleness=5)
+    second.load_state_dict(torch.load(io.BytesIO(_saved(first.state_dict())), weights_only=True))
+    for step in range(3, 9):
+        samples, _ = second.at(step, 100 + step)([], [], [], "test")
+        done.update({(s.extra_info["index"], i % params.n): (s, step) for i, s in enumerate(samples)})
+    assert set(done) == set(got)
+    for key, (s, step) in done.items():
+        assert (s.response_ids, s.reward, s.drawn_at, step) == (got[key][0].response_ids, got[key][0].reward,
+                                                                 got[key][0].drawn_at, got[key][1]), key
