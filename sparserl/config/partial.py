@@ -1,8 +1,8 @@
 """`rollout.partial.*`, partial rollouts (sparserl/rollout/partial.py, docs/training.md), and the checks that relate
 it to the rest of the run (`cross_check`, one of relations.py's CROSS_CHECKS). Plain Python: no torch.
 
-Left out on purpose: partial rollouts with the SGLang engine and with OpenReward episodes (refused here, with the
-way out); docs/decisions.md says why. Multi-turn env modules are carried (rollout/partial.py).
+Left out on purpose: partial rollouts with OpenReward episodes (refused here, with the way out); docs/decisions.md
+says why. Both engines stop and resume samples; multi-turn env modules are carried (rollout/partial.py).
 """
 from __future__ import annotations
 
@@ -25,13 +25,11 @@ class PartialConfig:
 
 
 def cross_check(cfg) -> None:
-    """What partial rollouts do not combine with (the native engine and env modules only)."""
+    """What partial rollouts do not combine with (env modules only; no dynamic sampling, no rescue)."""
     p = cfg.rollout.partial
     if not p.enable:
         return
-    why = ("rollout.engine=sglang: only the native engine stops a call and resumes a sample; use rollout.engine=native"
-           if cfg.rollout.engine == "sglang" else
-           "env.openreward.envs: OpenReward episodes are not carried across steps" if cfg.env.openreward.envs else
+    why = ("env.openreward.envs: OpenReward episodes are not carried across steps" if cfg.env.openreward.envs else
            "algo.dynamic_sampling.enable=true: its rounds refill a step that partial rollouts leave open; turn one off"
            if cfg.algo.dynamic_sampling.enable else
            f"algo.correction.rescue={cfg.algo.correction.rescue}: the rescue redraws a sample from its step's prompts, "

@@ -89,8 +89,9 @@ class EngineHost:
             raise HostError(*payload)
         return payload
 
-    def generate(self, requests):
-        return self._call("generate", requests)
+    def generate(self, requests, cutoff=None):
+        """The engine's generate (a `Cutoff` as partial rollouts give it; no progress callback across processes)."""
+        return self._call("generate", requests, None, cutoff)
 
     def update_weights(self, named_tensors, bucket_mb: float | None = None):
         # As numpy arrays: a tensor pickled over a multiprocessing connection is shared by file descriptor, which

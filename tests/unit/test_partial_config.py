@@ -13,10 +13,10 @@ def test_partial_rollouts_load_with_their_settings():
     assert (cfg.rollout.partial.finish_frac, cfg.rollout.partial.max_staleness) == (0.6, 3)
     assert load_config(["rollout.engine=sglang"]).rollout.partial.enable is False  # off: nothing refused
     assert load_config(ON + ["env.max_turns=3"]).env.max_turns == 3  # multi-turn episodes are carried
+    assert load_config(ON + ["rollout.engine=sglang"]).rollout.engine == "sglang"  # both engines stop and resume
 
 
 @pytest.mark.parametrize("override, message", [
-    ("rollout.engine=sglang", "rollout.partial.enable=true with rollout.engine=sglang: only the native engine"),
     ("algo.dynamic_sampling.enable=true", "with algo.dynamic_sampling.enable=true"),
     ("rollout.partial.finish_frac=0", "rollout.partial.finish_frac=0.0: must be in (0, 1]"),
 ])

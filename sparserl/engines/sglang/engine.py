@@ -17,6 +17,16 @@ Data-parallel groups each own an engine.
 - `sleep` / `wake` are `release_memory_occupation` / `resume_memory_occupation` (KV cache, CUDA graphs and,
   with `release_weights`, the weights). Weights released by `sleep` must be reloaded before `wake`.
 
+- Partial rollouts (`supports_partial`, sparserl/rollout/partial.py): `generate(..., cutoff=)` sends each sample
+  with its own SGLang request id and, once `cutoff.finish_frac` of the call's samples have ended (and no exempt one
+  still runs), aborts the others through SGLang's `abort_request`; they come back with finish_reason "abort" and the
+  tokens they drew. `cutoff.max_tokens` caps each non-exempt sample's new tokens in the call (a sample stopped there
+  is "abort" too, unless it reached its own `max_new_tokens`). A `GenerationRequest.resume` is sent as prompt + the
+  drawn tokens with the remaining budget, under the sample's own seed: the draws are keyed by logical position
+  (sampler_plugin.py), so it draws on from the same stream. Dense, with the weights unchanged, a carried sample is
+  an uninterrupted one; with KV compression the drawn tokens are re-prefilled as prompt tokens and compressed by
+  the backend's prompt rule (`rollout.kv.compress_prompt`), not compacted again where they were (the native
+  engine replays its compaction points), so its cache after a resume differs from the uninterrupted one's.
 - Sessions (`supports_sessions = False`): `session_id` / `keep_session` are ignored; every turn's request
   carries the whole history and is prefilled from it, with SGLang's radix cache reusing what it still holds
   of the earlier turns. `Generation.session_id` is None and `end_sessions` does nothing.
@@ -35,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +59,7 @@ from sparserl.engines.protocol import EngineStats
 from sparserl.engines.sglang import KV_ENV, SAMPLER_ENV_FLAG
 from sparserl.engines.sglang.kv_records import RECORD_KEY, PoolCounters, drawn_positions, kv_stats, pool_counters
 from sparserl.engines.sglang.options import SGLangOptions
-from sparserl.engines.types import Generation, GenerationRequest, KVStats, SamplingParams, eos_ids
+from sparserl.engines.types import Cutoff, Generation, GenerationRequest, KVStats, SamplingParams, eos_ids
 from sparserl.utils.seed import sample_seed
 from sparserl.engines.weight_sync import buckets
 
@@ -85,10 +96,21 @@ class _Sample:
     prompt: list[int]
     params: SamplingParams
     seed: int
+    rid: str = ""  # its SGLang request id (aborted by id under a cutoff; SGLang aborts every id it prefixes, so each
+    # ends with "." and none is another's prefix)
+    drawn: tuple[list[int], list[float], list[int]] | None = None  # a resumed sample's tokens, log-probs, compactions
+    cap: int = 0  # the cutoff's per-call token bound on it (0: none)
+
+    @property
+    def budget(self) -> int:
+        """New tokens SGLang may draw for it in this call."""
+        left = self.params.max_new_tokens - (len(self.drawn[0]) if self.drawn else 0)
+        return min(left, self.cap) if self.cap else left
 
 
 class SGLangEngine:
     supports_sessions = False  # multi-turn requests re-prefill; the radix cache shares what it can
+    supports_partial = True  # generate(..., cutoff=) and GenerationRequest.resume (module docstring)
 
     def __init__(self, model_path: str, options: SGLangOptions | None = None, tokenizer=None, seed: int = 0,
                  eos_token_ids: Iterable[int] | None = None, group: TPGroup | None = None) -> None:
@@ -107,6 +129,7 @@ class SGLangEngine:
         self._updating = False
         self._engine = None
         self._thread = None
+        self._calls = 0  # generate calls so far: part of every SGLang request id
         if self.group.is_owner:
             self._engine = _start_engine(model_path, self.options, seed)
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-engine")
@@ -186,7 +209,8 @@ class SGLangEngine:
             self._thread.shutdown()
 
     # ----------------------------------------------------------------- generate
-    def generate(self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None) -> list[Generation]:
+    def generate(self, requests: list[GenerationRequest], progress: Callable[[int], None] | None = None,
+                 cutoff: Cutoff | None = None) -> list[Generation]:
         if not self._awake:
             raise RuntimeError("the SGLang engine is asleep; call wake() before generate()")
         self._finish_weight_update()
@@ -194,9 +218,10 @@ class SGLangEngine:
             raise RuntimeError(f"rank {self.group.rank} is a tensor-parallel peer of rank {self.group.owner}, whose "
                                "SGLang engine serves the group: the owner runs the rollout and hands its samples to "
                                "the peers (sparserl.parallel.ReplicaGroup); a peer does not generate")
-        samples = self._expand(requests)
+        samples = self._expand(requests, cutoff)
         t0 = time.perf_counter()
-        outputs = self._thread.submit(self._engine.loop.run_until_complete, self._generate_all(samples, progress)).result()
+        outputs = self._thread.submit(self._engine.loop.run_until_complete,
+                                      self._generate_all(samples, progress, cutoff)).result()
         self.kv_trace, self.draw_trace = {}, {}
         gens = [self._to_generation(s, requests[s.request], out) for s, out in zip(samples, outputs)]
         self._account(gens, time.perf_counter() - t0, len(samples))
@@ -204,8 +229,11 @@ class SGLangEngine:
             self._account_pool(gens)
         return gens
 
-    def _expand(self, requests: list[GenerationRequest]) -> list[_Sample]:
+    def _expand(self, requests: list[GenerationRequest], cutoff: Cutoff | None = None) -> list[_Sample]:
+        from sparserl.engines.native.partial import check_resume
+
         out = []
+        self._calls += 1
         for i, req in enumerate(requests):
             p = req.params
             p.validate()
@@ -213,21 +241,42 @@ class SGLangEngine:
                 raise ValueError(f"request {req.request_id!r}: empty prompt; give at least one token")
             base = self.seed if p.seed is None else p.seed
             index = i if req.seed_index is None else req.seed_index
-            for j in range(p.n):
+            cap = cutoff.max_tokens if cutoff is not None and i not in cutoff.exempt else 0
+            r = req.resume
+            if r is not None:
+                if p.n != 1:
+                    raise ValueError(f"request {req.request_id!r}: a resumed request continues one sample (n=1), got n={p.n}")
+                check_resume(req)
+            for j in ([r.sample_index] if r is not None else range(p.n)):
                 # The native engine's stream key: (seed, request seed index or position, sample index).
                 seed = sample_seed(base, index, j)
-                out.append(_Sample(i, j, list(req.prompt_token_ids), p, seed))
+                drawn = (list(r.token_ids), [float(x) for x in r.logp_sparse], list(r.compressed_at)) if r else None
+                out.append(_Sample(i, j, list(req.prompt_token_ids), p, seed, f"sparserl-{id(self)}-{self._calls}-{len(out)}.",
+                                   drawn, cap))
         return out
 
-    async def _generate_all(self, samples: list[_Sample], progress) -> list[dict]:
-        async def one(s: _Sample) -> dict:
-            out = await self._engine.async_generate(input_ids=s.prompt, sampling_params=self._sglang_params(s),
-                                                    return_logprob=True)
+    async def _generate_all(self, samples: list[_Sample], progress, cutoff: Cutoff | None = None) -> list[dict]:
+        """Every sample's SGLang output; under `cutoff`, the ones still running once enough have ended are aborted."""
+        need = len(samples) if cutoff is None else math.ceil(cutoff.finish_frac * len(samples) - 1e-9)
+        exempt = {k for k, s in enumerate(samples) if cutoff is not None and s.request in cutoff.exempt}
+        running, ended = set(range(len(samples))), [0]
+
+        async def one(k: int, s: _Sample) -> dict:
+            prompt = s.prompt + (s.drawn[0] if s.drawn else [])
+            out = await self._engine.async_generate(input_ids=prompt, sampling_params=self._sglang_params(s),
+                                                    return_logprob=True, rid=s.rid)
+            running.discard(k)
+            capped = ((out.get("meta_info") or {}).get("finish_reason") or {}).get("type") == "length" and \
+                s.budget < s.params.max_new_tokens - (len(s.drawn[0]) if s.drawn else 0)
+            ended[0] += not capped  # a sample stopped by the per-call bound has not ended
             if progress is not None:
                 progress(1)
+            if cutoff is not None and ended[0] >= need and not exempt & running:
+                for other in sorted(running):  # the cutoff: the rest stop here, with what they drew
+                    self._engine.tokenizer_manager.abort_request(samples[other].rid)
             return out
 
-        return await asyncio.gather(*(one(s) for s in samples))
+        return await asyncio.gather(*(one(k, s) for k, s in enumerate(samples)))
 
     def _sglang_params(self, s: _Sample) -> dict[str, Any]:
         from sparserl.engines.sglang.sampler_plugin import PARAM_KEY
@@ -237,7 +286,7 @@ class SGLangEngine:
         if not p.ignore_eos:
             stop_ids |= self.eos_token_ids  # the native engine's EOS set, whatever SGLang reads from the config
         return {
-            "max_new_tokens": p.max_new_tokens,
+            "max_new_tokens": s.budget,
             "temperature": p.temperature,
             "top_p": p.top_p,
             "top_k": p.top_k or -1,
@@ -252,11 +301,16 @@ class SGLangEngine:
 
     def _to_generation(self, s: _Sample, req: GenerationRequest, out: dict) -> Generation:
         meta = out["meta_info"]
-        ids = list(out["output_ids"])
-        logps = [float(x[0]) for x in meta["output_token_logprobs"]]
+        ids = list(out.get("output_ids") or [])
+        logps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
         if len(logps) != len(ids):
             raise RuntimeError(f"SGLang returned {len(ids)} tokens but {len(logps)} log-probs for request {req.request_id!r}")
         reason = _FINISH.get((meta.get("finish_reason") or {}).get("type"), "abort")
+        before, brought = (len(s.drawn[0]), s.drawn[2]) if s.drawn is not None else (0, [])
+        if reason == "length" and s.budget < s.params.max_new_tokens - before:
+            reason = "abort"  # stopped by the cutoff's per-call bound, not by its own max_new_tokens
+        if s.drawn is not None:  # a resumed sample: its generation starts with what it brought
+            ids, logps = s.drawn[0] + ids, s.drawn[1] + logps
         if s.params.ignore_eos and s.params.stop_token_ids:
             cut = next((k + 1 for k, t in enumerate(ids) if t in s.params.stop_token_ids), None)
             if cut is not None:
@@ -264,10 +318,12 @@ class SGLangEngine:
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else out.get("text")
         total = len(s.prompt) + len(ids) - 1  # the last sampled token is never fed back
         if self.options.kv is not None:
-            kv, kept = kv_stats(meta.get(RECORD_KEY) or [], len(s.prompt), len(ids))
+            records = meta.get(RECORD_KEY) or []  # this call's tokens only: a resumed sample's came in its prompt
+            kv, kept = kv_stats(records, len(s.prompt) + before, len(ids) - before)
+            kv.compressed_at = list(brought) + [before + c for c in kv.compressed_at]
             if self.options.kv_trace:
                 self.kv_trace[(req.request_id, s.index)] = kept
-                self.draw_trace[(req.request_id, s.index)] = drawn_positions(meta.get(RECORD_KEY) or [], len(ids))
+                self.draw_trace[(req.request_id, s.index)] = drawn_positions(records, len(ids) - before)
         else:
             kv = KVStats(peak_slots=total, retained_tokens=total, total_tokens=total)
         return Generation(req.request_id, s.index, s.prompt, ids, logps, reason, text, kv)
