@@ -6,7 +6,9 @@
 #
 # NNODES (default 2) nodes x GPUS (default 8) processes form one world. parallel.tp=T splits each model over T
 # consecutive ranks (keep T <= GPUS so a tensor-parallel group never crosses nodes); the rest is data parallel,
-# so trainer.prompts_per_step must be divisible by NNODES * GPUS / T.
+# so trainer.prompts_per_step must be divisible by NNODES * GPUS / T. parallel.dp_replicate=NNODES makes each node
+# hold one replica of the sharded model (hybrid sharding, docs/training.md#launch): parameters are gathered within
+# a node and only the sharded gradients cross between nodes.
 #
 # MASTER_ADDR must be reachable from every node; MASTER_PORT (default 29500) must be free on node 0.
 # trainer.output_dir must be on a filesystem every node sees: all ranks write their checkpoint shards there
