@@ -2,16 +2,12 @@
 processes in one shard group (DCP reshards the replicated-and-sharded parameters), the next step finite."""
 import math
 
-from tests.e2e.test_objectives import PARITY_ENV
-from tests.e2e.test_trainer import read_metrics, tiny_args, trainer, write_data
+from tests.e2e.test_objectives import parity_task
+from tests.e2e.test_trainer import read_metrics, tiny_args, trainer
 
 
 def test_a_hybrid_sharded_step_resumes_on_another_layout(tiny_checkpoint, tmp_path):
-    rows = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
-            for a, b in [(1, 1), (2, 3), (4, 4), (5, 1)]]
-    data = write_data(tmp_path / "train.jsonl", rows)
-    env = tmp_path / "env.py"
-    env.write_text(PARITY_ENV)
+    data, env = parity_task(tmp_path)
     out = tmp_path / "run"
     res = trainer(tiny_args(tiny_checkpoint, data, env, out, steps=1, **{"parallel.dp_replicate": 2}), nproc=4)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from tests.e2e.test_objectives import PARITY_ENV
-from tests.e2e.test_trainer import read_metrics, tiny_args, trainer, write_data
+from tests.e2e.test_objectives import parity_task
+from tests.e2e.test_trainer import read_metrics, tiny_args, trainer
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +33,7 @@ def reward_model(tiny_checkpoint, tmp_path_factory):
 def test_a_reward_model_scores_every_sample_of_a_two_process_run(tiny_checkpoint, reward_model, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    rows = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
-            for a, b in [(1, 1), (2, 3), (4, 4), (5, 1)]]
-    data = write_data(tmp_path / "train.jsonl", rows)
-    env = tmp_path / "env.py"
-    env.write_text(PARITY_ENV)
+    data, env = parity_task(tmp_path)
     out = tmp_path / "run"
     args = tiny_args(tiny_checkpoint, data, env, out, **{"env.reward_model.path": reward_model,
                                                          "env.reward_model.mode": "add", "trainer.log_samples": 4,

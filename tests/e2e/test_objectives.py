@@ -36,13 +36,19 @@ CASES = {
 FAST = ("gspo_reinforce_pp_sparse", "ppo_sparse")
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if c in FAST else [pytest.mark.slow]) for c in CASES])
-def test_two_process_run_is_finite(case, tiny_checkpoint, tmp_path):
+def parity_task(folder):
+    """Four addition prompts (a data file) and the parity env (a module file) in `folder`: (data path, env path)."""
     rows = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
             for a, b in [(1, 1), (2, 3), (4, 4), (5, 1)]]
-    data = write_data(tmp_path / "train.jsonl", rows)
-    env = tmp_path / "env.py"
+    data = write_data(folder / "train.jsonl", rows)
+    env = folder / "env.py"
     env.write_text(PARITY_ENV)
+    return data, env
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if c in FAST else [pytest.mark.slow]) for c in CASES])
+def test_two_process_run_is_finite(case, tiny_checkpoint, tmp_path):
+    data, env = parity_task(tmp_path)
     out = tmp_path / "run"
     res = trainer(tiny_args(tiny_checkpoint, data, env, out, **{"rollout.n": 4, **CASES[case]}), nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
