@@ -68,6 +68,17 @@ class LoggedRow:
     advantage: float
 
 
+def rank0_count(num_rows: int, batch: TrainBatch, dp_group) -> int:
+    """DP rank 0's number of rollout samples, on every DP rank where rows moved between ranks (`batch.origin` set):
+    the other ranks must pick the same rows of rank 0's as rank 0 does, and with partial rollouts the ranks' sample
+    counts differ. A collective in that case; elsewhere `num_rows`."""
+    if batch.origin is None or not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
+        return num_rows
+    n = torch.tensor([num_rows], device=batch.mask.device)
+    dist.broadcast(n, src=dist.get_global_rank(dp_group, 0), group=dp_group)
+    return int(n.item())
+
+
 def fetch_rows(batch: TrainBatch, picked: list[int], dp_group) -> dict[int, LoggedRow] | None:
     """Rank 0's logged rows (its rollout indices `picked`) from the batch the update trained on.
 
@@ -200,7 +211,7 @@ class SampleLog:
         records written (empty off rank 0)."""
         if not self.enabled:
             return []
-        picked = pick_rows(len(samples), self.count)
+        picked = pick_rows(rank0_count(len(samples), batch, dp_group), self.count)
         rows = fetch_rows(batch, picked, dp_group)
         if self.rank != 0 or rows is None:
             return []

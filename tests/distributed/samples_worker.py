@@ -1,14 +1,15 @@
 """One training step as `trainer/grpo.py` runs it, with the logged samples next to the tensors its loss received.
 Used by tests/process/test_samples_run.py.
 
-    [torchrun --nproc_per_node=N] tests/distributed/samples_worker.py CKPT OUT fused|separate
+    [torchrun --nproc_per_node=N] tests/distributed/samples_worker.py CKPT OUT fused|separate [uneven]
 
 A real rollout of the tiny model on the arithmetic env's prompts with R-KV compression (budget 16, prompt
 compressed too, so every sequence is compressed at its first decode step and every 8 tokens after), then three
 sampler log-probs per rank pushed off so that the veto and both token masks fire. `policy_objective` is wrapped
 to record what it receives; each rank saves, per row it trained on, the loss's logp_old, mask, weights and the
 batch's logp_sparse, keyed by where the row was rolled out, to OUT/loss_<rank>.pt. Rank 0's records (every
-sequence it rolled out) are in OUT/samples/step_1.jsonl.
+sequence it rolled out) are in OUT/samples/step_1.jsonl. With `uneven` (2 ranks) rank 0 rolls out 3 of the 4 prompts
+and rank 1 one, as partial rollouts leave ranks with different sample counts.
 """
 import sys
 
@@ -69,7 +70,10 @@ def main() -> None:
     tokenizer = load_tokenizer(inputs.model_path)
     rows = inputs.rows[:cfg.trainer.prompts_per_step]
     share = len(rows) // dims.dp
-    rows = rows[info.rank * share:(info.rank + 1) * share]
+    if sys.argv[4:] == ["uneven"]:
+        rows = rows[:3] if info.rank == 0 else rows[3:]
+    else:
+        rows = rows[info.rank * share:(info.rank + 1) * share]
     texts = format_prompts(cfg, rows, tokenizer)
     params = sampling_params(cfg)
     actor = build_actor(cfg, inputs.model_path, mesh, info.device)

@@ -16,10 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "distributed" / "samples_worker.py"
 
 
-def run_step(ckpt, out: Path, path: str, nproc: int = 1) -> tuple[list[dict], dict]:
+def run_step(ckpt, out: Path, path: str, nproc: int = 1, *extra: str) -> tuple[list[dict], dict]:
     """Records of rank 0 and, per (rank, row) of rank 0's rollout, what the loss received for that row."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPARSERL_PROGRESS": "0"}
-    args = [str(WORKER), str(ckpt), str(out), path]
+    args = [str(WORKER), str(ckpt), str(out), path, *extra]
     cmd = command(nproc, *args)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
