@@ -4,10 +4,13 @@ synchronous against `rollout.partial.enable=true`, several seeds, one held-out e
     python benchmarks/partial_gain.py                       # 3 seeds x 2 modes, then the table (docs/results.md)
     python benchmarks/partial_gain.py --report-only         # the table from the records alone
 
-Each run is `torchrun -m sparserl.trainer.grpo` on 2 processes from the same model (`--model`, SmolLM2-135M-Instruct
-by default) with the same seed, prompts, batch and lr; the partial one stops a step's generation once
+SmolLM2-135M-Instruct does not write a count one number per line (it scores 0 on the env), so a short supervised
+warm-start comes first (`python -m sparserl.trainer.sft`, `--sft-steps` batches of `--sft-batch` target responses
+of held-apart rows, `--sft-lr`): it starts writing counts one number per line (held-out score ~0.1: room to gain,
+and a reward on some samples), with the env's heavy-tailed lengths. Each run is
+`torchrun -m sparserl.trainer.grpo` on 2 processes from that warm-start with the same seed, prompts, batch and lr; the partial one stops a step's generation once
 `--finish-frac` of its samples have ended and carries the rest (`rollout.partial.*`, docs/training.md). Every final
-policy and the starting model are evaluated on the same held-out long-tail prompts (`python -m sparserl.eval`,
+policy and the warm-start are evaluated on the same held-out long-tail prompts (`python -m sparserl.eval`,
 the env's own prompts at a held-out seed), dense, temperature 1, `--eval-n` samples per prompt, one shared sampling
 seed; the score is the mean reward (avg@n). The table gives per mode the held-out gain over the start (mean ±
 standard error over seeds), partial's share of the synchronous mean gain, and the seconds per step.
@@ -34,9 +37,28 @@ ENV = "envs/long_tail.py"
 MODES = ("synchronous", "partial")
 
 
+def write_sft_data(path: Path, num: int, seed: int) -> None:
+    """`num` long-tail rows (seed `seed`, apart from the runs' and the evaluation's) with their target responses."""
+    sys.path.insert(0, str(ROOT))
+    from sparserl.utils.envload import load_env
+
+    env = load_env(str(ROOT / ENV)).module
+    rows = env.make_prompts(num, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"prompt": r["prompt"], "response": env.target_response(r["answer"])}) + "\n"
+                            for r in rows))
+
+
+def sft_command(args, data: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "sparserl.trainer.sft", f"model.path={args.model}", f"env.path={ENV}",
+            f"data.train_path={data}", f"trainer.output_dir={out}", f"trainer.total_steps={args.sft_steps}",
+            f"trainer.prompts_per_step={args.sft_batch}", f"actor.lr={args.sft_lr}", "trainer.seed=0",
+            "trainer.overwrite=true", "logger.progress=false"]
+
+
 def grpo_command(args, mode: str, seed: int, out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "sparserl.trainer.grpo", f"model.path={args.model}", f"env.path={ENV}",
+           "-m", "sparserl.trainer.grpo", f"model.path={args.start}", f"env.path={ENV}",
            f"trainer.total_steps={args.steps}", f"trainer.seed={seed}", f"trainer.prompts_per_step={args.prompts}",
            f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}", f"actor.lr={args.lr}",
            "trainer.eval_every=0", "trainer.save_every=0", "logger.progress=false", f"trainer.output_dir={out}",
@@ -108,7 +130,7 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
 
 
 def table(args, start: dict, runs: dict[tuple[str, int], dict]) -> str:
-    lines = [f"start ({args.model}): held-out score {start['score']:.4f}", "",
+    lines = [f"warm-start ({args.sft_steps} SFT steps of {args.model}): held-out score {start['score']:.4f}", "",
              "| mode | held-out score (mean over seeds) | gain ± SE | share of the synchronous gain | s / step | "
              "rollout s / step | carried share |", "| --- | --- | --- | --- | --- | --- | --- |"]
     gains = {}
@@ -138,9 +160,12 @@ def main(argv=None) -> str:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--sft-steps", type=int, default=2)
+    ap.add_argument("--sft-batch", type=int, default=8)
+    ap.add_argument("--sft-lr", type=float, default=3e-5)
     ap.add_argument("--prompts", type=int, default=8, help="trainer.prompts_per_step")
     ap.add_argument("--n", type=int, default=4, help="rollout.n")
-    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--finish-frac", type=float, default=0.5)
     ap.add_argument("--max-staleness", type=int, default=2)
@@ -152,8 +177,10 @@ def main(argv=None) -> str:
     args = ap.parse_args(argv)
     args.out = args.out.resolve()
     runs: dict[tuple[str, int], dict] = {}
+    sft_data, warm = args.out / "sft.jsonl", args.out / "warm"
+    args.start = str(warm / "hf")
     start_eval = args.out / "evals" / "start"
-    start_cmds = [eval_command(args, args.model, start_eval)]
+    start_cmds = [sft_command(args, sft_data, warm), eval_command(args, args.start, start_eval)]
     if args.report_only:
         start = recorded(args.out / "records" / "start.json", start_cmds)
         for mode in MODES:
@@ -166,6 +193,7 @@ def main(argv=None) -> str:
         if start is None:
             raise SystemExit(f"no record of the start's evaluation in {args.out / 'records'}")
     else:
+        write_sft_data(sft_data, args.sft_steps * args.sft_batch, seed=12345)
         start = one(args, "start", start_cmds, None, start_eval)
         for s in args.seeds:  # seed by seed, both modes: an interrupted experiment has matched pairs
             for mode in MODES:
