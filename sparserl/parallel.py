@@ -157,20 +157,15 @@ def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=30)
         if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            # A world of one needs no rendezvous: an in-process store, so no TCP port is taken (a free port picked
+            # and then bound can be taken by another process in between: EADDRINUSE).
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def teardown() -> None:

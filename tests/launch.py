@@ -140,6 +140,18 @@ def _die_with_parent() -> None:
 
 
 def _free_port() -> int:
+    """A port rank 0 can listen on: a free one below Linux's ephemeral range (32768-60999), which outgoing
+    connections draw from, so that none of them takes it between this check and rank 0's bind (EADDRINUSE)."""
+    import random
+
+    for _ in range(100):
+        port = random.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
