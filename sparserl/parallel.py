@@ -159,9 +159,9 @@ def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=30)
         if "RANK" not in os.environ:
-            # A world of one needs no rendezvous: an in-process store, so no TCP port is taken (a free port picked
-            # and then bound can be taken by another process in between: EADDRINUSE).
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            # A world of one needs no rendezvous: an in-process store, so no TCP port is taken, and the process's
+            # environment is left as it was (a child process it starts must not inherit a RANK or a MASTER_PORT that
+            # is this process's: its own world of one would then try to bind this process's port).
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
             dist.init_process_group(backend, timeout=timeout)
