@@ -75,13 +75,13 @@ def test_the_dataclasses_hold_every_default_and_grpo_yaml_sets_none():
     assert load_config([]) == Config()
 
 
-def test_the_schema_has_176_leaf_keys(capsys):
+def test_the_schema_has_180_leaf_keys(capsys):
     from sparserl.config.load import leaf_keys
 
     keys = leaf_keys()
     with capsys.disabled():
         print(f"\nconfig leaf keys: {len(keys)}")
-    assert len(keys) == len(set(keys)) == 176  # 162 before critic.*, algo.gamma, algo.lam (10) and rollout.partial.* (4); 152 before rm.* and dpo.*; 151 before rollout.kv_dtype; 148 before trainer.overwrite, rollout.kv_memory and rollout.admission; 147 before actor.skip_zero_advantage; 146 before rollout.prepack; 145 before algo.correction.rescue_group_frac; 144 before rollout.kv.control.statistic; 143 before parallel.cp; 142 before algo.correction.rescue; 135 before rollout.kv.control; 125 before actor.lora, algo.dynamic_sampling and algo.overlong; 129 before the four rollout.sglang.* duplicates were folded
+    assert len(keys) == len(set(keys)) == 180  # 176 before env.reward_model.* (3) and parallel.dp_replicate; 162 before critic.*, algo.gamma, algo.lam (10) and rollout.partial.* (4); 152 before rm.* and dpo.*; 151 before rollout.kv_dtype; 148 before trainer.overwrite, rollout.kv_memory and rollout.admission; 147 before actor.skip_zero_advantage; 146 before rollout.prepack; 145 before algo.correction.rescue_group_frac; 144 before rollout.kv.control.statistic; 143 before parallel.cp; 142 before algo.correction.rescue; 135 before rollout.kv.control; 125 before actor.lora, algo.dynamic_sampling and algo.overlong; 129 before the four rollout.sglang.* duplicates were folded
 
 
 def test_a_renamed_key_in_a_yaml_names_its_replacement(tmp_path):
